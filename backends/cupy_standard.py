@@ -1,0 +1,75 @@
+"""CuPy backend: standard attention on the GPU, materialising the full score matrix.
+
+This is the baseline FlashAttention is measured against: cuBLAS matmuls and element-wise
+softmax in the input precision, with O(N²) memory per head. It refuses calls whose score
+matrices would not fit in the free device memory, saying how much they would need.
+"""
+from numba_flash import _arrays
+from numba_flash.backend_base import Backend
+from numba_flash.standard_attention import attention_backward, attention_forward
+
+# Peak number of (batch, nheads, seqlen_q, seqlen_k) temporaries alive at once (scores, the
+# masked/shifted copy, P, and dS in the backward), used for the memory estimate.
+SCORE_COPIES = 4
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+class CupyStandardBackend(Backend):
+    name = "cupy"
+    dtypes = ("float16", "float32", "float64")
+
+    def available(self):
+        """None if CuPy can run here, else the reason."""
+        try:
+            cupy = _cupy()
+        except ImportError:
+            return "CuPy is not installed (pip install 'numba-flash[cupy]')"
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return "CuPy found no CUDA GPU"
+        except Exception as exc:  # CuPy raises its own CUDARuntimeError without a driver
+            return f"CuPy cannot reach a CUDA GPU ({exc})"
+        return None
+
+    def score_bytes(self, q, k):
+        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
+        itemsize = 8 if _arrays.dtype_name(q) == "float64" else 4
+        return SCORE_COPIES * batch * nheads * seqlen_q * int(k.shape[1]) * itemsize
+
+    def supports(self, q, k, v, *, causal=False, softmax_scale=None):
+        reason = self.available()
+        if reason:
+            return reason
+        if _arrays.array_kind(q) not in (_arrays.CUPY, _arrays.TORCH, _arrays.CUDA):
+            return "it runs on the GPU and takes device arrays (CuPy, torch, Numba) only"
+        if _arrays.dtype_name(q) not in self.dtypes:
+            return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
+        need = self.score_bytes(q, k)
+        free = _cupy().cuda.Device(_arrays.device_id(q)).mem_info[0]
+        if need > free:
+            return (f"standard attention would need {need / 2**30:.1f} GiB for the "
+                    f"seqlen_q x seqlen_k score matrices, but only {free / 2**30:.1f} GiB is free")
+        return None
+
+    def _compute_dtype(self, q):
+        return "float64" if _arrays.dtype_name(q) == "float64" else _arrays.dtype_name(q)
+
+    def forward(self, q, k, v, *, causal, softmax_scale):
+        cupy = _cupy()
+        dtype = self._compute_dtype(q)
+        with cupy.cuda.Device(_arrays.device_id(q)):
+            q, k, v = (cupy.asarray(x) for x in (q, k, v))
+            out, lse = attention_forward(cupy, q, k, v, causal, softmax_scale, dtype)
+            return cupy.ascontiguousarray(out), lse.astype(cupy.float32)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+        cupy = _cupy()
+        dtype = self._compute_dtype(q)
+        with cupy.cuda.Device(_arrays.device_id(q)):
+            arrays = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
+            grads = attention_backward(cupy, *arrays, causal, softmax_scale, dtype)
+            return tuple(cupy.ascontiguousarray(g) for g in grads)

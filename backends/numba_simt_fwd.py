@@ -1,0 +1,167 @@
+"""FlashAttention forward pass, SIMT (CUDA cores, float32 arithmetic), as a Numba kernel.
+
+One thread block per (query tile of BLOCK_M rows, head, batch). The Q tile stays in shared
+memory; K and V tiles of BLOCK_N keys stream through one shared buffer. Each thread holds a
+register tile of the scores S and of the output accumulator `acc`. Per query row the block keeps
+the running max `m_i` and running sum `l_i` (online softmax); when the max grows, `acc` and `l_i`
+are rescaled by exp(m_old - m_new). Scores are kept in log2 units (Q is pre-scaled by
+softmax_scale·log2(e)) so that every exponential is one exp2. The output tile and the row
+log-sum-exp are written once, at the end. Causal: key tiles wholly in the future are never
+visited and only tiles that cross the diagonal (or the ragged end of K) are masked.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from numba_flash.config import simt_forward_config
+
+from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot
+
+LOG2E = 1.4426950408889634
+LN2 = np.float32(math.log(2.0))
+NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel_function(config, head_dim, causal):
+    """The plain Python kernel for one (tile config, head_dim, causal); see forward_kernel."""
+    BLOCK_M, BLOCK_N = config.block_m, config.block_n
+    TX, TY = config.threads_x, config.threads_y
+    D_PAD = config.padded_head_dim(head_dim)
+    TM = BLOCK_M // TY  # query rows per thread
+    TN = BLOCK_N // TX  # score columns per thread
+    TD = D_PAD // TX  # output columns per thread
+    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
+    load_kv_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
+    tile_scores = make_tile_dot(TM, TN, TY, TX, head_dim)
+    accumulate_pv = make_tile_accumulate(TM, TD, TY, TX, BLOCK_N)
+    # Shared-array shapes must be compile-time tuples.
+    Q_SHAPE = (BLOCK_M, D_PAD + 1)
+    KV_SHAPE = (BLOCK_N, D_PAD + 1)
+    P_SHAPE = (BLOCK_M, BLOCK_N + TX)  # +TX: rows ty, ty+1, ... start in different banks
+    PARTIAL_SHAPE = (BLOCK_M, TX)
+    S_SHAPE = (TM, TN)
+    ACC_SHAPE = (TM, TD)
+
+    def flash_forward(q, k, v, out, lse, scale_log2):
+        tx = cuda.threadIdx.x % TX
+        ty = cuda.threadIdx.x // TX
+        m0 = cuda.blockIdx.x * BLOCK_M
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+
+        q_tile = cuda.shared.array(Q_SHAPE, float32)
+        kv_tile = cuda.shared.array(KV_SHAPE, float32)
+        p_tile = cuda.shared.array(P_SHAPE, float32)
+        row_partial = cuda.shared.array(PARTIAL_SHAPE, float32)
+
+        s = cuda.local.array(S_SHAPE, float32)
+        acc = cuda.local.array(ACC_SHAPE, float32)
+        m_i = cuda.local.array(TM, float32)
+        l_i = cuda.local.array(TM, float32)  # this thread's share of the row sum
+        for i in range(TM):
+            m_i[i] = NEG_INF
+            l_i[i] = ZERO
+            for jd in range(TD):
+                acc[i, jd] = ZERO
+
+        # Load: the Q tile, once, pre-scaled so that scores come out in log2 units.
+        load_q_tile(q_tile, q, b, m0, h, seqlen_q, scale_log2)
+
+        n_end = seqlen_k
+        if causal:  # keys at or past m0 + BLOCK_M + offset are in the future of every row here
+            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        for n0 in range(0, n_end, BLOCK_N):
+            # Load: the K tile.
+            load_kv_tile(kv_tile, k, b, n0, h, seqlen_k, ONE)
+            cuda.syncthreads()  # why: K tile (and, first time, Q tile) fully written before reads
+
+            # Scores: S = Q K^T for this thread's register tile.
+            tile_scores(s, q_tile, kv_tile, ty, tx)
+            if n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset):
+                for i in range(TM):
+                    row = m0 + ty + TY * i
+                    for j in range(TN):
+                        col = n0 + tx + TX * j
+                        if col >= seqlen_k or (causal and col > row + offset):
+                            s[i, j] = NEG_INF
+
+            # Row max: a partial over this thread's columns, combined through shared memory.
+            for i in range(TM):
+                partial = s[i, 0]
+                for j in range(1, TN):
+                    partial = max(partial, s[i, j])
+                row_partial[ty + TY * i, tx] = partial
+            cuda.syncthreads()  # why: partial maxima visible; all reads of the K tile are done
+
+            # Rescale: m_new, alpha = exp2(m_old - m_new); P = exp2(S - m_new) into shared memory.
+            for i in range(TM):
+                r = ty + TY * i
+                m_new = m_i[i]
+                for t in range(TX):
+                    m_new = max(m_new, row_partial[r, t])
+                m_ref = m_new if m_new != NEG_INF else ZERO  # row has seen no key yet
+                alpha = math.exp2(m_i[i] - m_ref)
+                m_i[i] = m_new
+                l_new = ZERO
+                for j in range(TN):
+                    p = math.exp2(s[i, j] - m_ref)
+                    p_tile[r, tx + TX * j] = p
+                    l_new += p
+                l_i[i] = l_i[i] * alpha + l_new
+                for jd in range(TD):
+                    acc[i, jd] *= alpha
+
+            # Load: the V tile, into the buffer the K tile used.
+            load_kv_tile(kv_tile, v, b, n0, h, seqlen_k, ONE)
+            cuda.syncthreads()  # why: P tile and V tile fully written before P·V reads them
+
+            # Accumulate: acc += P V.
+            accumulate_pv(acc, p_tile, kv_tile, ty, tx)
+            cuda.syncthreads()  # why: P and V reads done before the next tile overwrites them
+
+        # Epilogue: l = sum of the threads' partial row sums; out = acc / l; lse = m + log(l).
+        for i in range(TM):
+            row_partial[ty + TY * i, tx] = l_i[i]
+        cuda.syncthreads()  # why: every partial row sum written before the row totals are read
+        for i in range(TM):
+            r = ty + TY * i
+            row = m0 + r
+            l_row = ZERO
+            for t in range(TX):
+                l_row += row_partial[r, t]
+            if row < seqlen_q:
+                inv_l = ONE / l_row if l_row > ZERO else ZERO  # a row with no key gets 0
+                for jd in range(TD):
+                    col = tx + TX * jd
+                    if col < head_dim:
+                        out[b, row, h, col] = acc[i, jd] * inv_l
+                if tx == 0:
+                    if l_row > ZERO:
+                        lse[b, h, row] = (m_i[i] + math.log2(l_row)) * LN2
+                    else:
+                        lse[b, h, row] = NEG_INF
+
+    return flash_forward
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel(config, head_dim, causal):
+    """The compiled (lazily specialised on argument types) forward kernel."""
+    return cuda.jit(forward_kernel_function(config, head_dim, causal))
+
+
+def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0):
+    """Launch the SIMT forward on device (or, under the simulator, host) arrays."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    config = simt_forward_config(head_dim)
+    grid = (-(-seqlen_q // config.block_m), nheads, batch)
+    kernel = forward_kernel(config, head_dim, causal)
+    kernel[grid, config.threads, stream](q, k, v, out, lse, np.float32(softmax_scale * LOG2E))

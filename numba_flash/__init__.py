@@ -1,0 +1,29 @@
+"""numba_flash: exact FlashAttention written in Python as Numba CUDA kernels.
+
+    out, lse = numba_flash.forward(q, k, v, causal=True)
+    dq, dk, dv = numba_flash.backward(dout, q, k, v, out, lse, causal=True)
+
+Importing this package imports neither Numba's CUDA target, CuPy nor torch; backends are
+loaded the first time they are used.
+"""
+from numba_flash.api import attention, backward, forward
+from numba_flash.registry import (
+    available_backends,
+    get_backend,
+    list_backends,
+    select_backend,
+    use_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "forward",
+    "backward",
+    "attention",
+    "list_backends",
+    "available_backends",
+    "get_backend",
+    "select_backend",
+    "use_backend",
+]

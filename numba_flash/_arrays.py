@@ -1,0 +1,105 @@
+"""Array interop: which library an array comes from, its dtype, device and stream.
+
+Everything here works from attributes (`shape`, `dtype`, `__cuda_array_interface__`) and the
+type's module name, so that `import numba_flash` needs neither CuPy nor torch.
+"""
+import numpy as np
+
+HOST = "numpy"
+CUPY = "cupy"
+TORCH = "torch"
+CUDA = "cuda"  # any other object exposing __cuda_array_interface__ (e.g. Numba device arrays)
+
+
+def array_kind(x):
+    """Return HOST, CUPY, TORCH or CUDA for an array, or None if it is not an array we know."""
+    module = type(x).__module__ or ""
+    if isinstance(x, np.ndarray):
+        return HOST
+    if module.startswith("cupy"):
+        return CUPY
+    if module.startswith("torch"):
+        return TORCH if getattr(x, "is_cuda", False) else HOST
+    if hasattr(x, "__cuda_array_interface__"):
+        return CUDA
+    return None
+
+
+def is_device_kind(kind):
+    return kind in (CUPY, TORCH, CUDA)
+
+
+def dtype_name(x):
+    """The element type as a short name: 'float16', 'float32', 'bfloat16', 'int64', ..."""
+    dtype = x.dtype
+    if type(dtype).__module__.startswith("torch"):
+        return str(dtype).replace("torch.", "")
+    return np.dtype(dtype).name
+
+
+def device_id(x):
+    """CUDA device ordinal of a device array, None for host arrays."""
+    kind = array_kind(x)
+    if kind == CUPY:
+        return int(x.device.id)
+    if kind == TORCH:
+        return int(x.device.index)
+    if kind == CUDA:
+        from numba import cuda
+        return int(cuda.get_current_device().id)
+    return None
+
+
+def as_numpy(x):
+    """Host view of a host array (NumPy, or a CPU torch tensor)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if array_kind(x) == HOST and hasattr(x, "numpy"):
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def empty_like_kind(ref, shape, dtype):
+    """A new uninitialised array of the same library and device as `ref`."""
+    kind = array_kind(ref)
+    if kind == HOST:
+        return np.empty(shape, dtype)
+    if kind == CUPY:
+        import cupy
+        with cupy.cuda.Device(ref.device.id):
+            return cupy.empty(shape, dtype)
+    if kind == TORCH:
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=ref.device)
+    from numba import cuda
+    return cuda.device_array(shape, dtype)
+
+
+def caller_stream_handle(x):
+    """The raw cudaStream_t of the caller's current stream for this array's library (0 = legacy)."""
+    kind = array_kind(x)
+    if kind == CUPY:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    if kind == TORCH:
+        import torch
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return 0
+
+
+def convert_like(x, ref):
+    """Return x (an array of any library) as the library and device of `ref`, without copying
+    when the library already matches (DLPack / __cuda_array_interface__ are zero-copy)."""
+    kind = array_kind(ref)
+    if array_kind(x) == kind and type(x) is type(ref):
+        return x
+    if kind == HOST:
+        return as_numpy(x)
+    if kind == CUPY:
+        import cupy
+        return cupy.asarray(x)
+    if kind == TORCH:
+        import torch
+        return torch.from_dlpack(x)
+    from numba import cuda
+    return cuda.as_cuda_array(x)

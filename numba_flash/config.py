@@ -1,0 +1,79 @@
+"""Tile configurations for the Numba kernels: one frozen dataclass and one heuristic per kernel.
+
+Static shared memory is capped at 48 KiB per block, so the tile sizes shrink as the head
+dimension grows. The SIMT kernels keep every tile in float32 whatever the input dtype.
+"""
+from dataclasses import dataclass
+
+SHARED_MEMORY_BYTES = 48 * 1024
+
+
+@dataclass(frozen=True)
+class SimtConfig:
+    """Tile shape of a SIMT kernel.
+
+    block_m x block_n is the score tile; the block has threads_y x threads_x threads. Thread
+    (ty, tx) owns score rows ty + threads_y*i and columns tx + threads_x*j, and the output
+    columns tx + threads_x*j of its rows, so each thread holds a small register tile.
+    """
+
+    block_m: int
+    block_n: int
+    threads_x: int
+    threads_y: int
+
+    @property
+    def threads(self):
+        return self.threads_x * self.threads_y
+
+    def padded_head_dim(self, head_dim):
+        """head_dim rounded up to a multiple of threads_x (padded columns hold zeros)."""
+        return -(-head_dim // self.threads_x) * self.threads_x
+
+
+# Chosen so that every tile fits in 48 KiB of static shared memory (checked by
+# forward_shared_bytes / backward_shared_bytes in the tests) with 64-128 threads per block.
+_SIMT_FORWARD = (  # (max head_dim, config)
+    (32, SimtConfig(block_m=64, block_n=64, threads_x=8, threads_y=16)),
+    (64, SimtConfig(block_m=64, block_n=32, threads_x=8, threads_y=16)),
+    (128, SimtConfig(block_m=32, block_n=32, threads_x=16, threads_y=8)),
+    (256, SimtConfig(block_m=16, block_n=16, threads_x=16, threads_y=8)),
+)
+_SIMT_BACKWARD = (
+    (32, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
+    (64, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
+    (128, SimtConfig(block_m=16, block_n=16, threads_x=8, threads_y=8)),
+    (256, SimtConfig(block_m=8, block_n=8, threads_x=8, threads_y=8)),
+)
+
+
+def _pick(table, head_dim):
+    for max_head_dim, config in table:
+        if head_dim <= max_head_dim:
+            return config
+    raise ValueError(f"headdim must be <= {table[-1][0]}; got {head_dim}")
+
+
+def simt_forward_config(head_dim):
+    return _pick(_SIMT_FORWARD, head_dim)
+
+
+def simt_backward_config(head_dim):
+    return _pick(_SIMT_BACKWARD, head_dim)
+
+
+def forward_shared_bytes(config, head_dim):
+    """Shared memory of the SIMT forward kernel (q tile, k/v tile, P tile, row partials)."""
+    row = config.padded_head_dim(head_dim) + 1
+    floats = ((config.block_m + config.block_n) * row
+              + config.block_m * (config.block_n + config.threads_x)
+              + config.block_m * config.threads_x)
+    return 4 * floats
+
+
+def backward_shared_bytes(config, head_dim):
+    """Shared memory of the larger SIMT backward kernel (dk/dv): q, dO, k, v, P, dS tiles."""
+    row = config.padded_head_dim(head_dim) + 1
+    tile = max(config.block_m, config.block_n)
+    floats = 2 * (config.block_m + config.block_n) * row + 2 * tile * (tile + config.threads_x)
+    return 4 * (floats + 2 * config.block_m)

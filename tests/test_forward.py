@@ -1,0 +1,75 @@
+"""The numba forward kernel under the CUDA simulator against the float64 reference."""
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+from inputs import random_qkv
+
+import numba_flash
+from numba_flash.standard_attention import attention_forward
+
+# (batch, seqlen_q, seqlen_k, nheads, headdim): odd sizes, seqlen_q != seqlen_k both ways,
+# lengths that are not multiples of any tile, head dims from every config bucket.
+SHAPES = [
+    (1, 1, 1, 1, 16),
+    (2, 17, 17, 2, 32),
+    (1, 37, 64, 1, 64),
+    (1, 64, 37, 2, 64),
+    (1, 70, 5, 1, 40),
+    (1, 3, 45, 1, 100),
+    (1, 33, 33, 1, 128),
+    (1, 19, 23, 1, 256),
+    (1, 9, 11, 1, 1),
+]
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make the numba backend allocate NaN-filled outputs, so an unwritten element shows."""
+    backend = numba_flash.get_backend("numba")
+    monkeypatch.setattr(type(backend), "_new",
+                        lambda self, ref, shape, dtype: np.full(shape, np.nan, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_reference(rng, poisoned_outputs, shape, causal, dtype):
+    q, k, v = random_qkv(rng, *shape, dtype)
+    scale = float(rng.uniform(0.05, 0.5))
+    out, lse = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale, backend="numba")
+    assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    base_out, base_lse = attention_forward(np, q, k, v, causal, scale, np.dtype(dtype).type)
+    assert_within_rule("out", out, base_out, ref_out, dtype)
+    assert_within_rule("lse", lse, base_lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_scale_is_inverse_sqrt_headdim(rng, causal):
+    q, k, v = random_qkv(rng, 1, 20, 24, 1, 48, "float32")
+    out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, 48 ** -0.5, np.float64)
+    assert np.abs(out - ref_out).max() < 1e-5
+    assert np.abs(lse - ref_lse).max() < 1e-5
+
+
+def test_rows_that_see_no_key_get_zero_and_minus_inf(rng, poisoned_outputs):
+    # causal with seqlen_q > seqlen_k: query i sees keys j <= i - 30, so rows 0..29 see none.
+    q, k, v = random_qkv(rng, 1, 40, 10, 2, 32, "float32")
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+    assert np.all(out[:, :30] == 0.0)
+    assert np.all(np.isneginf(lse[:, :, :30]))
+    assert np.all(np.isfinite(lse[:, :, 30:])) and not np.isnan(out).any()
+    ref_out, _ = attention_forward(np, q, k, v, True, 32 ** -0.5, np.float64)
+    assert np.abs(out - ref_out).max() < 1e-5
+
+
+def test_large_logits_do_not_overflow(rng):
+    q, k, v = random_qkv(rng, 1, 21, 21, 1, 32, "float32")
+    q *= 30.0
+    k *= 30.0
+    out, lse = numba_flash.forward(q, k, v, backend="numba")
+    ref_out, ref_lse = attention_forward(np, q, k, v, False, 32 ** -0.5, np.float64)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert np.abs(out - ref_out).max() < 1e-4
+    assert np.abs(lse - ref_lse).max() / np.abs(ref_lse).max() < 1e-6
