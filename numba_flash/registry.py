@@ -103,11 +103,11 @@ def resolve(backend, q, k, v, *, causal, softmax_scale):
                                backend=backend)
     if selection.name is not None:
         return get_backend(selection.name)
-    reasons = "; ".join(f"{n}: {r}" for n, r in selection.skipped.items())
     if len(selection.skipped) == 1:
-        (name, _), = selection.skipped.items()
-        message = f"backend {name!r} cannot run this call: {reasons}"
+        (name, reason), = selection.skipped.items()
+        message = f"backend {name!r} cannot run this call: {reason}"
     else:
+        reasons = "; ".join(f"{n}: {r}" for n, r in selection.skipped.items())
         message = f"no backend can run this call ({reasons})"
     dtype = _arrays.dtype_name(q)
     serving = [n for n in BACKEND_MODULES if dtype in get_backend(n).dtypes]
