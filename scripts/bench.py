@@ -1,0 +1,229 @@
+"""Side-by-side attention timings on one GPU: numba_flash backends and their peers.
+
+Peers, measured in the same run on the same inputs: the cupy backend (standard attention), and
+when torch is present torch SDPA with each of its backends (flash, cudnn, efficient, math).
+Convention (flash-attn's benchmarks): batch x seqlen = --tokens (16k) and nheads x headdim =
+2048. FLOPs: forward 4·B·H·Nq·Nk·D, halved for causal; backward 2.5x the forward.
+Timing: CUDA events around each call after warm-up, median of repeats, rotating over input sets
+so that repeats do not run out of L2. Peak extra memory: what the call takes beyond its inputs.
+
+    python scripts/bench.py --dtypes float32 float16 --head-dims 64 128 --json $OUT/bench.json
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+import harness
+
+TORCH_BACKENDS = {"float16": ("flash", "cudnn", "efficient", "math"),
+                  "bfloat16": ("flash", "cudnn", "efficient", "math"),
+                  "float32": ("efficient", "math")}
+
+
+def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, passes):
+    forward = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim / (2.0 if causal else 1.0)
+    return forward * (3.5 if passes == "fwdbwd" else 1.0)
+
+
+class Timer:
+    """Median milliseconds of fn(i) over repeats, by CUDA events on the current stream."""
+
+    def __init__(self, cupy, target_ms=300.0, max_repeats=30):
+        self.cupy, self.target_ms, self.max_repeats = cupy, target_ms, max_repeats
+
+    def __call__(self, fn, n_inputs):
+        cp = self.cupy
+        fn(0)  # warm-up: compilation, autotuning, allocator growth
+        cp.cuda.get_current_stream().synchronize()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn(1 % n_inputs)
+        stop.record()
+        stop.synchronize()
+        first = cp.cuda.get_elapsed_time(start, stop)
+        repeats = int(min(self.max_repeats, max(3, self.target_ms / max(first, 1e-3))))
+        times = []
+        for i in range(repeats):
+            start.record()
+            fn(i % n_inputs)
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+        return statistics.median(times)
+
+
+def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype):
+    """{name: fn(i) running one call on input set i}, for every implementation that applies."""
+    runners = {}
+    for name in ("numba", "cupy"):
+        def run(i, name=name):
+            q, k, v, dout = inputs[i]
+            out, lse = numba_flash.forward(q, k, v, causal=causal, backend=name)
+            if passes == "fwdbwd":
+                numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=name)
+        runners[name] = run
+    if torch is None:
+        return runners
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    # (B, N, H, D) CuPy arrays -> (B, H, N, D) torch views of the same memory.
+    views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
+    for kind in TORCH_BACKENDS[dtype]:
+        def run(i, kind=kind):
+            q, k, v, dout = views[i]
+            with sdpa_kernel(kinds[kind]):
+                if passes == "fwdbwd":
+                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                if passes == "fwdbwd":
+                    out.backward(dout)
+        runners[f"sdpa-{kind}"] = run
+    return runners
+
+
+def peak_extra(cp, torch, fn):
+    """Peak device memory fn takes beyond what is already allocated (CuPy pool + torch)."""
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch_before = torch.cuda.memory_allocated()
+    _, cupy_extra = harness.peak_extra_bytes(fn)
+    torch_extra = 0
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch_extra = torch.cuda.max_memory_allocated() - torch_before
+    return cupy_extra + torch_extra
+
+
+def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causal, passes,
+               tokens, model_dim):
+    batch = max(1, tokens // seqlen)
+    nheads = max(1, model_dim // headdim)
+    shape = (batch, seqlen, seqlen, nheads, headdim)
+    one_set = 4 * batch * seqlen * nheads * headdim * np.dtype(dtype).itemsize
+    n_inputs = 1 if one_set > 120 * 2**20 else 3  # rotate when a set would stay in the 60 MB L2
+    inputs = [harness.random_inputs(cp, rng, *shape, dtype) for _ in range(n_inputs)]
+    work = flops(batch, nheads, seqlen, seqlen, headdim, causal, passes)
+    row = {"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
+           "nheads": nheads, "causal": causal, "passes": passes, "results": {}}
+    q, k, v, _ = inputs[0]
+    for name, fn in make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype).items():
+        if name in ("numba", "cupy"):
+            reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
+            if reason:
+                row["results"][name] = {"skipped": reason}
+                continue
+        try:
+            ms = timer(fn, n_inputs)
+            extra = peak_extra(cp, torch, lambda: fn(0))
+        except Exception as exc:  # a peer that cannot run this case (e.g. OOM, unsupported)
+            row["results"][name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            if torch is not None:
+                torch.cuda.empty_cache()
+            cp.get_default_memory_pool().free_all_blocks()
+            continue
+        row["results"][name] = {"ms": ms, "tflops": work / ms / 1e9, "peak_extra_mib":
+                                extra / 2**20}
+    del inputs
+    cp.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return row
+
+
+def print_table(rows, baseline="numba"):
+    for row in rows:
+        head = (f"{row['passes']:6s} {row['dtype']:8s} d{row['headdim']:<3d} "
+                f"N{row['seqlen']:<6d} B{row['batch']:<3d} H{row['nheads']:<3d} "
+                f"{'causal' if row['causal'] else 'full  '}")
+        ours = row["results"].get(baseline, {}).get("tflops")
+        cells = []
+        for name, r in row["results"].items():
+            if "tflops" not in r:
+                cells.append(f"{name}: skip")
+                continue
+            ratio = f" ({ours / r['tflops']:.2f}x)" if ours and name != baseline else ""
+            cells.append(f"{name}: {r['tflops']:.1f} TF/s, {r['peak_extra_mib']:.0f} MiB{ratio}")
+        print(head + " | " + " | ".join(cells), flush=True)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(r["dtype"], r["headdim"], r["causal"], r["passes"]) for r in rows})
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.5 * len(groups), 8), squeeze=False)
+    for col, (dtype, headdim, causal, passes) in enumerate(groups):
+        sel = [r for r in rows if (r["dtype"], r["headdim"], r["causal"], r["passes"]) ==
+               (dtype, headdim, causal, passes)]
+        names = sorted({n for r in sel for n in r["results"]})
+        for name in names:
+            pts = [(r["seqlen"], r["results"][name]) for r in sel
+                   if "tflops" in r["results"].get(name, {})]
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            axes[0][col].plot(xs, [p[1]["tflops"] for p in pts], marker="o", label=name)
+            axes[1][col].plot(xs, [p[1]["peak_extra_mib"] for p in pts], marker="o", label=name)
+        title = f"{passes} {dtype} d{headdim} {'causal' if causal else 'full'}"
+        axes[0][col].set(title=title, xscale="log", xlabel="seqlen", ylabel="TFLOP/s")
+        axes[1][col].set(xscale="log", yscale="log", xlabel="seqlen",
+                         ylabel="peak extra memory (MiB)")
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", nargs="+", default=["false"], choices=["false", "true"])
+    parser.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
+    parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
+    parser.add_argument("--model-dim", type=int, default=2048, help="nheads x headdim")
+    parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
+    parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--plot", help="write a PNG plot here")
+    args = parser.parse_args(argv)
+    reason = harness.gpu_ready()
+    if reason:
+        print(f"bench.py needs a CUDA GPU and CuPy ({reason})")
+        return 2
+    import cupy as cp
+
+    import numba_flash
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+        except ImportError:
+            print("torch not installed: SDPA peers left out")
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print(f"GPU: {props['name'].decode()}; ratios are numba / peer", flush=True)
+    timer = Timer(cp)
+    rng = np.random.default_rng(0)
+    cases = [(p, d, h, n, c == "true") for p in args.passes for d in args.dtypes
+             for h in args.head_dims for c in args.causal for n in args.seqlens]
+    rows = []
+    for index, (passes, dtype, headdim, seqlen, causal) in enumerate(cases, 1):
+        print(f"[{index}/{len(cases)}] {passes} {dtype} d{headdim} N{seqlen} "
+              f"{'causal' if causal else 'full'} ...", file=sys.stderr, flush=True)
+        rows.append(bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen,
+                               causal, passes, args.tokens, args.model_dim))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": props["name"].decode(), "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

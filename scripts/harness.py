@@ -1,0 +1,53 @@
+"""Helpers shared by scripts/verify.py and scripts/bench.py (not part of the package)."""
+import os
+
+
+def gpu_ready():
+    """None if CuPy sees a CUDA GPU, else the reason (without importing numba)."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU"
+    except Exception as exc:  # CUDARuntimeError when there is no driver
+        return f"no usable CUDA GPU ({exc.__class__.__name__})"
+    return None
+
+
+def use_simulator():
+    """Run the Numba kernels in the CUDA simulator; must happen before numba is imported."""
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def random_inputs(xp, rng, batch, seqlen_q, seqlen_k, nheads, headdim, dtype):
+    """q, k, v and dout: standard normal, drawn on the host and moved to xp."""
+    def draw(seqlen):
+        return xp.asarray(rng.standard_normal((batch, seqlen, nheads, headdim)).astype(dtype))
+    return draw(seqlen_q), draw(seqlen_k), draw(seqlen_k), draw(seqlen_q)
+
+
+def poison_memory_pool(nbytes):
+    """Fill nbytes of CuPy's memory pool with NaN and give it back, so the next allocations
+    start out as NaN: an output element a kernel forgets to write then shows up as NaN."""
+    import cupy
+    block = cupy.empty(nbytes // 4 + 1, cupy.float32)
+    block.fill(cupy.nan)
+    cupy.cuda.get_current_stream().synchronize()
+    del block
+
+
+def peak_extra_bytes(fn):
+    """Run fn() and return (its result, the peak device memory it took from CuPy's pool).
+
+    The pool is emptied first; every allocation fn makes (outputs and temporaries) comes from
+    it and freed blocks stay cached, so the pool's total afterwards is the peak of the call."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.get_current_stream().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    result = fn()
+    cupy.cuda.get_current_stream().synchronize()
+    return result, pool.total_bytes() - before

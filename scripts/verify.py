@@ -1,0 +1,181 @@
+"""Cross-check every available backend against float64 standard attention.
+
+On a machine with a CUDA GPU and CuPy: every backend x {float32, float16} x {causal, full} x a
+grid of shapes up to N = 4096, forward and backward; then the numba forward at N = 65536,
+checked on sampled rows, where the cupy backend is skipped for memory.
+Without a GPU: the kernels run in Numba's CUDA simulator at small sizes (it says so).
+
+Rule (DESIGN.md): max |backend - reference| <= 2 x max |plain - reference| + floor, where the
+reference is computed in float64 and "plain" is standard attention in the input precision
+(the cupy backend on the GPU, NumPy in that dtype on the CPU). Prints a table; exits 1 on any
+failure.
+
+    python scripts/verify.py [--simulator] [--quick]
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import harness
+from numba_flash.testing import error_bound, max_error
+
+GPU_SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, headdim)
+    (2, 128, 128, 4, 64),
+    (1, 1000, 1000, 4, 64),
+    (1, 511, 1537, 3, 32),
+    (1, 1537, 511, 3, 96),
+    (1, 333, 333, 2, 16),
+    (1, 2048, 2048, 2, 256),
+    (1, 4096, 4096, 2, 64),
+    (1, 4096, 4096, 2, 128),
+]
+SIM_SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 64), (1, 20, 37, 1, 32)]
+LONG = (1, 65536, 65536, 8, 64)  # forward only: the cupy backend would need O(N^2) memory
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, backend, case, quantity, error, limit, note=""):
+        ok = error <= limit
+        self.rows.append((backend, case, quantity, error, limit, "PASS" if ok else "FAIL", note))
+        print(f"{backend:7s} {case:38s} {quantity:4s} {error:10.3g} {limit:10.3g} "
+              f"{'PASS' if ok else 'FAIL'} {note}", flush=True)
+        return ok
+
+    def skip(self, backend, case, reason):
+        self.rows.append((backend, case, "-", float("nan"), float("nan"), "SKIP", reason))
+        print(f"{backend:7s} {case:38s} SKIP: {reason}", flush=True)
+
+    @property
+    def failures(self):
+        return sum(row[5] == "FAIL" for row in self.rows)
+
+
+def to_host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
+    from numba_flash.standard_attention import attention_backward, attention_forward
+    batch, seqlen_q, seqlen_k, nheads, headdim = shape
+    case = (f"{dtype} {'causal' if causal else 'full  '} B{batch} H{nheads} "
+            f"Nq{seqlen_q} Nk{seqlen_k} D{headdim}")
+    q, k, v, dout = harness.random_inputs(xp, rng, *shape, dtype)
+    scale = headdim ** -0.5
+    ref_out, ref_lse = (to_host(x) for x in attention_forward(xp, q, k, v, causal, scale,
+                                                              "float64"))
+    out_in = xp.ascontiguousarray(xp.asarray(ref_out).astype(dtype))
+    lse_in = xp.ascontiguousarray(xp.asarray(ref_lse).astype("float32"))
+    ref_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in,
+                                                        causal, scale, "float64")]
+    # The plain same-precision implementation that sets the error bound.
+    base_out, base_lse = (to_host(x) for x in attention_forward(xp, q, k, v, causal, scale,
+                                                                dtype))
+    base_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in,
+                                                         causal, scale, dtype)]
+    limits = {"out": error_bound(max_error(base_out, ref_out), ref_out, dtype),
+              "lse": error_bound(max_error(base_lse, ref_lse), ref_lse, dtype)}
+    for name, base, ref in zip(("dq", "dk", "dv"), base_grads, ref_grads):
+        limits[name] = error_bound(max_error(base, ref), ref, dtype)
+
+    for name, reason in numba_flash.available_backends().items():
+        if reason:
+            table.skip(name, case, reason)
+            continue
+        host_only = name == "numpy"
+        if on_gpu and host_only and seqlen_q * seqlen_k > 1024 * 1024:
+            table.skip(name, case, "float64 on the CPU: checked at the smaller shapes")
+            continue
+        args = [to_host(x) for x in (q, k, v)] if host_only else [q, k, v]
+        if on_gpu and not host_only:
+            harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
+        out, lse = numba_flash.forward(*args, causal=causal, backend=name)
+        table.add(name, case, "out", max_error(to_host(out), ref_out), limits["out"])
+        table.add(name, case, "lse", max_error(to_host(lse), ref_lse), limits["lse"])
+        bargs = [dout, q, k, v, out_in, lse_in]
+        if host_only:
+            bargs = [to_host(x) for x in bargs]
+        if on_gpu and not host_only:
+            harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
+        grads = numba_flash.backward(*bargs, causal=causal, backend=name)
+        for gname, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            table.add(name, case, gname, max_error(to_host(got), ref), limits[gname])
+
+
+def verify_long(table, numba_flash, xp, rng, causal):
+    """numba forward at N = 65536; the reference is computed for sampled row blocks."""
+    from numba_flash.standard_attention import attention_forward
+    batch, seqlen_q, seqlen_k, nheads, headdim = LONG
+    dtype = "float16"
+    case = f"{dtype} {'causal' if causal else 'full  '} B{batch} H{nheads} N{seqlen_q} D{headdim}"
+    q, k, v, _ = harness.random_inputs(xp, rng, *LONG, dtype)
+    scale = headdim ** -0.5
+    for name in ("cupy",):
+        reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
+        table.skip(name, case, reason or "unexpectedly supported")
+    start = time.perf_counter()
+    (out, lse), extra = harness.peak_extra_bytes(
+        lambda: numba_flash.forward(q, k, v, causal=causal, backend="numba"))
+    seconds = time.perf_counter() - start
+    offset = seqlen_k - seqlen_q
+    errors, limits = [], []
+    for r0 in (0, seqlen_q // 2, seqlen_q - 128):
+        r1 = r0 + 128
+        keys = r1 + offset if causal else seqlen_k  # rows r0..r1 see no key past this
+        ref_out, ref_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys], causal,
+                                             scale, "float64")
+        base_out, base_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys],
+                                               causal, scale, dtype)
+        for got, base, ref in ((out[:, r0:r1], base_out, ref_out),
+                               (lse[:, :, r0:r1], base_lse, ref_lse)):
+            ref = to_host(ref)
+            errors.append(max_error(to_host(got), ref))
+            limits.append(error_bound(max_error(to_host(base), ref), ref, dtype))
+    worst = int(np.argmax(np.array(errors) / np.array(limits)))
+    table.add("numba", case, "fwd", errors[worst], limits[worst],
+              f"(sampled rows) {seconds * 1e3:.0f} ms incl. compile, "
+              f"peak extra device memory {extra / 2**20:.0f} MiB (out + lse)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--simulator", action="store_true",
+                        help="run the kernels in Numba's CUDA simulator even if a GPU is here")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args(argv)
+    reason = "asked for (--simulator)" if args.simulator else harness.gpu_ready()
+    on_gpu = reason is None
+    if not on_gpu:
+        harness.use_simulator()
+        print(f"No GPU run ({reason}): running the Numba kernels in Numba's CUDA simulator "
+              f"at small sizes (slow; a few minutes).\n")
+    import numba_flash
+    xp = np
+    if on_gpu:
+        import cupy as xp
+        print(f"GPU: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}\n")
+    shapes = GPU_SHAPES if on_gpu else SIM_SHAPES
+    if args.quick:
+        shapes = shapes[:2]
+    rng = np.random.default_rng()
+    table = Table()
+    print(f"{'backend':7s} {'case':38s} {'qty':4s} {'max error':>10s} {'bound':>10s}")
+    for shape in shapes:
+        for dtype in ("float32", "float16"):
+            for causal in (False, True):
+                verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu)
+    if on_gpu and not args.quick:
+        for causal in (False, True):
+            verify_long(table, numba_flash, xp, rng, causal)
+    checked = sum(row[5] != "SKIP" for row in table.rows)
+    print(f"\n{checked - table.failures} passed, {table.failures} failed, "
+          f"{len(table.rows) - checked} skipped")
+    return 1 if table.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""GPU tests at real sizes (run on a CUDA machine with `python -m pytest -m gpu`)."""
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+
+import numba_flash
+from numba_flash.standard_attention import attention_backward, attention_forward
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, headdim)
+    (2, 1024, 1024, 4, 64),
+    (1, 777, 2049, 2, 128),
+    (1, 2049, 777, 2, 32),
+    (1, 513, 513, 2, 256),
+]
+
+
+@pytest.fixture
+def cp():
+    return pytest.importorskip("cupy")
+
+
+def _inputs(cp, rng, shape, dtype):
+    batch, seqlen_q, seqlen_k, nheads, headdim = shape
+    draw = lambda n: cp.asarray(  # noqa: E731
+        rng.standard_normal((batch, n, nheads, headdim)).astype(dtype))
+    return draw(seqlen_q), draw(seqlen_k), draw(seqlen_k), draw(seqlen_q)
+
+
+def _poison(cp, nbytes):
+    block = cp.full(nbytes // 4 + 1, cp.nan, cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    del block
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype):
+    q, k, v, dout = _inputs(cp, rng, shape, dtype)
+    scale = shape[-1] ** -0.5
+    _poison(cp, 16 * q.nbytes)
+    out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype and lse.dtype == cp.float32
+    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
+    base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+    assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
+
+    out_in = cp.ascontiguousarray(ref_out.astype(dtype))
+    lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
+    _poison(cp, 16 * q.nbytes)
+    grads = numba_flash.backward(dout, q, k, v, out_in, lse_in, causal=causal, backend="numba")
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, "float64")
+    bases = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
+
+
+def test_cupy_backend_matches_reference(cp, rng):
+    q, k, v, dout = _inputs(cp, rng, (1, 300, 400, 2, 64), "float32")
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="cupy")
+    ref_out, ref_lse = attention_forward(np, q.get(), k.get(), v.get(), True, 0.125, np.float64)
+    assert np.abs(out.get() - ref_out).max() < 1e-5
+    assert np.abs(lse.get() - ref_lse).max() < 1e-5
+
+
+def test_repeated_runs_are_bitwise_identical(cp, rng):
+    q, k, v, dout = _inputs(cp, rng, (1, 1000, 1000, 2, 64), "float16")
+    first = None
+    for _ in range(10):
+        out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+        result = [out, lse, *numba_flash.backward(dout, q, k, v, out, lse, causal=True,
+                                                  backend="numba")]
+        result = [x.get() for x in result]
+        if first is None:
+            first = result
+        for a, b in zip(first, result):
+            assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_runs_on_the_callers_stream(cp, rng, monkeypatch):
+    from numba import cuda
+    q, k, v, _ = _inputs(cp, rng, (1, 2048, 2048, 4, 64), "float16")
+    seen = []
+    real = cuda.external_stream
+    monkeypatch.setattr(cuda, "external_stream", lambda ptr: seen.append(ptr) or real(ptr))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        q2 = q * 2  # queued on `stream`; forward must run after it, on the same stream
+        out, _ = numba_flash.forward(q2, k, v, backend="numba")
+        doubled = out * 1  # later work on the same stream sees the finished output
+    stream.synchronize()
+    assert seen == [stream.ptr]
+    ref, _ = numba_flash.forward(q * 2, k, v, backend="cupy")
+    assert float(cp.abs(doubled.astype(cp.float32) - ref.astype(cp.float32)).max()) < 2e-3
+
+
+def test_numba_device_arrays_in_and_out(cp, rng):
+    from numba import cuda
+    q, k, v, _ = _inputs(cp, rng, (1, 100, 120, 2, 32), "float32")
+    qn, kn, vn = (cuda.to_device(x.get()) for x in (q, k, v))
+    out, lse = numba_flash.forward(qn, kn, vn, backend="numba")
+    assert cuda.is_cuda_array(out) and not isinstance(out, cp.ndarray)
+    ref_out, _ = attention_forward(np, q.get(), k.get(), v.get(), False, 32 ** -0.5, np.float64)
+    assert np.abs(out.copy_to_host() - ref_out).max() < 1e-5
+
+
+def test_torch_tensors_in_and_out(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(1, 300, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.is_cuda
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).float() for x in (q, k, v)), is_causal=True).transpose(1, 2)
+    assert float((out.float() - ref).abs().max()) < 2e-3
+
+
+def test_forward_memory_is_linear_in_seqlen(cp, rng):
+    """Peak extra memory of the numba forward is out + lse, nothing of size N x N."""
+    q, k, v, _ = _inputs(cp, rng, (1, 16384, 16384, 8, 64), "float16")
+    pool = cp.get_default_memory_pool()
+    cp.cuda.get_current_stream().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    numba_flash.forward(q, k, v, backend="numba")
+    cp.cuda.get_current_stream().synchronize()
+    extra = pool.total_bytes() - before
+    assert extra <= q.nbytes + 8 * 16384 * 4 * 2, extra  # out, lse (+ allocator rounding)
