@@ -5,6 +5,9 @@ launches on the caller's current stream. Under Numba's CUDA simulator
 (NUMBA_ENABLE_CUDASIM=1, for machines without a GPU) it takes NumPy arrays instead.
 Numba is imported only when the backend is first used.
 """
+import contextlib
+import warnings
+
 import numpy as np
 
 from numba_flash import _arrays
@@ -46,6 +49,15 @@ class NumbaBackend(Backend):
                     "arrays: copy them to the GPU first, e.g. cupy.asarray(q)")
         return None
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _quiet_launch():
+        """Numba warns about grids smaller than the GPU; for small inputs that is expected."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*will likely result in GPU "
+                                                      "under-utilization")
+            yield
+
     # -- launching -----------------------------------------------------------------------------
 
     def _prepare(self, ref, arrays):
@@ -69,7 +81,8 @@ class NumbaBackend(Backend):
         out = self._new(q, tuple(int(s) for s in q.shape), _arrays.dtype_name(q))
         lse = self._new(q, (batch, nheads, seqlen_q), np.float32)
         stream, (qv, kv, vv, outv, lsev) = self._prepare(q, [q, k, v, out, lse])
-        launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
+        with self._quiet_launch():
+            launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
         return outv if simulator_enabled() else out, lsev if simulator_enabled() else lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
@@ -79,5 +92,6 @@ class NumbaBackend(Backend):
         grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
         delta = self._new(q, (batch, nheads, seqlen_q), np.float32)
         stream, views = self._prepare(q, [dout, q, k, v, out, lse, delta] + grads)
-        launch_backward(*views, causal, softmax_scale, stream)
+        with self._quiet_launch():
+            launch_backward(*views, causal, softmax_scale, stream)
         return tuple(views[7:]) if simulator_enabled() else tuple(grads)
