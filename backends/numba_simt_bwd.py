@@ -19,8 +19,10 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_flash.config import simt_backward_config
+from numba_flash.intrinsics import SHARED_ALIGN
 
-from .numba_tiles import make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot
+from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
+                          row_stride)
 
 LOG2E = np.float32(1.4426950408889634)
 POS_INF = np.float32(np.inf)
@@ -59,13 +61,13 @@ def _dk_dv_kernel_function(config, head_dim, causal):
     TD = D_PAD // TX  # dK / dV columns per thread
     load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
     load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
-    tile_scores = make_tile_dot(TK, TQ, TY, TX, head_dim)
-    accumulate = make_tile_accumulate(TK, TD, TY, TX, BLOCK_M)
-    store_tile = make_store_tile(TK, TD, TY, TX, head_dim)
+    tile_scores = make_tile_dot(TK, TQ, TY, TX, D_PAD)
+    accumulate = make_tile_accumulate(TK, TD, TY, BLOCK_M)
+    store_tile = make_store_tile(TK, TD, TY, head_dim)
     lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
-    K_SHAPE = (BLOCK_N, D_PAD + 1)
-    Q_SHAPE = (BLOCK_M, D_PAD + 1)
-    P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: rows ty, ty+1, ... start in different banks
+    K_SHAPE = (BLOCK_N, row_stride(D_PAD))
+    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
+    P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: the threads' scalar stores avoid bank conflicts
     REG_S = (TK, TQ)
     REG_D = (TK, TD)
 
@@ -79,12 +81,12 @@ def _dk_dv_kernel_function(config, head_dim, causal):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
 
-        k_tile = cuda.shared.array(K_SHAPE, float32)
-        v_tile = cuda.shared.array(K_SHAPE, float32)
-        q_tile = cuda.shared.array(Q_SHAPE, float32)
-        do_tile = cuda.shared.array(Q_SHAPE, float32)
-        p_tile = cuda.shared.array(P_SHAPE, float32)
-        ds_tile = cuda.shared.array(P_SHAPE, float32)
+        k_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
+        v_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
+        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
+        do_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
+        p_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
+        ds_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
         lse_tile = cuda.shared.array(BLOCK_M, float32)
         delta_tile = cuda.shared.array(BLOCK_M, float32)
 
@@ -150,12 +152,12 @@ def _dq_kernel_function(config, head_dim, causal):
     TD = D_PAD // TX  # dQ columns per thread
     load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
     load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
-    tile_scores = make_tile_dot(TM, TN, TY, TX, head_dim)
-    accumulate = make_tile_accumulate(TM, TD, TY, TX, BLOCK_N)
-    store_tile = make_store_tile(TM, TD, TY, TX, head_dim)
+    tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
+    accumulate = make_tile_accumulate(TM, TD, TY, BLOCK_N)
+    store_tile = make_store_tile(TM, TD, TY, head_dim)
     lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
-    Q_SHAPE = (BLOCK_M, D_PAD + 1)
-    K_SHAPE = (BLOCK_N, D_PAD + 1)
+    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
+    K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     DS_SHAPE = (BLOCK_M, BLOCK_N + TX)
     REG_S = (TM, TN)
     REG_D = (TM, TD)
@@ -170,11 +172,11 @@ def _dq_kernel_function(config, head_dim, causal):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
 
-        q_tile = cuda.shared.array(Q_SHAPE, float32)
-        do_tile = cuda.shared.array(Q_SHAPE, float32)
-        k_tile = cuda.shared.array(K_SHAPE, float32)
-        v_tile = cuda.shared.array(K_SHAPE, float32)
-        ds_tile = cuda.shared.array(DS_SHAPE, float32)
+        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
+        do_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
+        k_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
+        v_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
+        ds_tile = cuda.shared.array(DS_SHAPE, float32, SHARED_ALIGN)
 
         s = cuda.local.array(REG_S, float32)
         dp = cuda.local.array(REG_S, float32)

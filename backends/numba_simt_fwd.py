@@ -16,8 +16,9 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_flash.config import simt_forward_config
+from numba_flash.intrinsics import SHARED_ALIGN
 
-from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot
+from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
 LOG2E = 1.4426950408889634
 LN2 = np.float32(math.log(2.0))
@@ -34,15 +35,15 @@ def forward_kernel_function(config, head_dim, causal):
     D_PAD = config.padded_head_dim(head_dim)
     TM = BLOCK_M // TY  # query rows per thread
     TN = BLOCK_N // TX  # score columns per thread
-    TD = D_PAD // TX  # output columns per thread
+    TD = D_PAD // TX  # output columns per thread (contiguous)
     load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
     load_kv_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
-    tile_scores = make_tile_dot(TM, TN, TY, TX, head_dim)
-    accumulate_pv = make_tile_accumulate(TM, TD, TY, TX, BLOCK_N)
+    tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
+    accumulate_pv = make_tile_accumulate(TM, TD, TY, BLOCK_N)
     # Shared-array shapes must be compile-time tuples.
-    Q_SHAPE = (BLOCK_M, D_PAD + 1)
-    KV_SHAPE = (BLOCK_N, D_PAD + 1)
-    P_SHAPE = (BLOCK_M, BLOCK_N + TX)  # +TX: rows ty, ty+1, ... start in different banks
+    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
+    KV_SHAPE = (BLOCK_N, row_stride(D_PAD))
+    P_SHAPE = (BLOCK_M, BLOCK_N + TX)  # +TX: the threads' scalar stores of P avoid bank conflicts
     PARTIAL_SHAPE = (BLOCK_M, TX)
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, TD)
@@ -57,9 +58,9 @@ def forward_kernel_function(config, head_dim, causal):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
 
-        q_tile = cuda.shared.array(Q_SHAPE, float32)
-        kv_tile = cuda.shared.array(KV_SHAPE, float32)
-        p_tile = cuda.shared.array(P_SHAPE, float32)
+        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
+        kv_tile = cuda.shared.array(KV_SHAPE, float32, SHARED_ALIGN)
+        p_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
         row_partial = cuda.shared.array(PARTIAL_SHAPE, float32)
 
         s = cuda.local.array(S_SHAPE, float32)
@@ -140,7 +141,7 @@ def forward_kernel_function(config, head_dim, causal):
             if row < seqlen_q:
                 inv_l = ONE / l_row if l_row > ZERO else ZERO  # a row with no key gets 0
                 for jd in range(TD):
-                    col = tx + TX * jd
+                    col = tx * TD + jd
                     if col < head_dim:
                         out[b, row, h, col] = acc[i, jd] * inv_l
                 if tx == 0:
@@ -158,10 +159,11 @@ def forward_kernel(config, head_dim, causal):
     return cuda.jit(forward_kernel_function(config, head_dim, causal))
 
 
-def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0):
-    """Launch the SIMT forward on device (or, under the simulator, host) arrays."""
+def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None):
+    """Launch the SIMT forward on device (or, under the simulator, host) arrays.
+    `config` overrides the heuristic's tile shape (for tuning)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    config = simt_forward_config(head_dim)
+    config = config or simt_forward_config(head_dim)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel = forward_kernel(config, head_dim, causal)
     kernel[grid, config.threads, stream](q, k, v, out, lse, np.float32(softmax_scale * LOG2E))

@@ -1,16 +1,28 @@
-"""Device functions shared by the SIMT kernels: tile loads and register-tiled tile products.
+"""Device functions shared by the SIMT kernels: tile loads/stores and register-tiled products.
 
 Every factory is cached on its compile-time constants, so each kernel closes over device
-functions specialised to its tile shape. Shared tiles are float32 `[rows][padded_head_dim + 1]`:
-the +1 column makes a column walk (thread t reading row t) hit 32 different banks.
+functions specialised to its tile shape.
 
-Thread (ty, tx) of a threads_y x threads_x block owns register-tile element (i, j) at tile row
-ty + threads_y*i and tile column tx + threads_x*j (interleaved, so that neighbouring lanes read
-neighbouring shared-memory words).
+Shared tiles are float32 `[rows][row_stride(...)]`, 16-byte aligned, so that four consecutive
+columns are one 16-byte load (numba_flash.intrinsics.load_f32x4). The row stride is the padded
+head dim + 4: row r then starts 4 banks after row r-1, so eight lanes reading 16 bytes from eight
+different rows hit all 32 banks once.
+
+Thread (ty, tx) of a threads_y x threads_x block owns, of a score tile, rows ty + threads_y*i
+and columns tx + threads_x*j; of an output tile (width head_dim), rows ty + threads_y*i and the
+contiguous columns tx*cols_per_thread + j (so it reads them from shared memory 16 bytes at a
+time).
 """
 import functools
 
 from numba import cuda, float32
+
+from numba_flash.intrinsics import load_f32x4
+
+
+def row_stride(padded_head_dim):
+    """Floats per shared-memory row of a Q/K/V/dO tile."""
+    return padded_head_dim + 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,54 +46,59 @@ def make_load_tile(rows, head_dim, padded_head_dim, threads):
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, head_dim):
-    """tile_dot(s, a_tile, b_tile, ty, tx): s[i, j] = sum_d a_tile[ty + TY*i, d] * b_tile[tx + TX*j, d]
-    (a register tile of A·Bᵀ, e.g. the scores q_tile·k_tileᵀ)."""
+def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, padded_head_dim):
+    """tile_dot(s, a_tile, b_tile, ty, tx): s[i, j] = sum_d a_tile[ty + TY*i, d] *
+    b_tile[tx + TX*j, d] (a register tile of A·Bᵀ, e.g. the scores q_tile·k_tileᵀ).
+    d runs over the padded head dim four columns at a time: one 16-byte load per row."""
+    A_SHAPE = (rows_per_thread, 4)
 
     @cuda.jit(device=True, inline="always")
     def tile_dot(s, a_tile, b_tile, ty, tx):
-        a = cuda.local.array(rows_per_thread, float32)
-        bt = cuda.local.array(cols_per_thread, float32)
+        a = cuda.local.array(A_SHAPE, float32)
         for i in range(rows_per_thread):
             for j in range(cols_per_thread):
                 s[i, j] = float32(0.0)
-        for d in range(head_dim):
+        for d in range(0, padded_head_dim, 4):
             for i in range(rows_per_thread):
-                a[i] = a_tile[ty + threads_y * i, d]
+                a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_f32x4(a_tile, ty + threads_y * i, d)
             for j in range(cols_per_thread):
-                bt[j] = b_tile[tx + threads_x * j, d]
-            for i in range(rows_per_thread):
-                for j in range(cols_per_thread):
-                    s[i, j] += a[i] * bt[j]
+                b0, b1, b2, b3 = load_f32x4(b_tile, tx + threads_x * j, d)
+                for i in range(rows_per_thread):
+                    s[i, j] += a[i, 0] * b0 + a[i, 1] * b1 + a[i, 2] * b2 + a[i, 3] * b3
 
     return tile_dot
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_accumulate(rows_per_thread, cols_per_thread, threads_y, threads_x, inner):
+def make_tile_accumulate(rows_per_thread, cols_per_thread, threads_y, inner):
     """tile_accumulate(acc, p_tile, b_tile, ty, tx): acc[i, j] += sum_n p_tile[ty + TY*i, n] *
-    b_tile[n, tx + TX*j] for n < inner (a register tile of P·B, e.g. P·V)."""
+    b_tile[n, tx*cols_per_thread + j] for n < inner (a register tile of P·B, e.g. P·V).
+    Both operands are read 16 bytes at a time; each B vector serves all of the thread's rows."""
+    P_SHAPE = (rows_per_thread, 4)
 
     @cuda.jit(device=True, inline="always")
     def tile_accumulate(acc, p_tile, b_tile, ty, tx):
-        p = cuda.local.array(rows_per_thread, float32)
-        bt = cuda.local.array(cols_per_thread, float32)
-        for n in range(inner):
+        p = cuda.local.array(P_SHAPE, float32)
+        col0 = tx * cols_per_thread
+        for n in range(0, inner, 4):
             for i in range(rows_per_thread):
-                p[i] = p_tile[ty + threads_y * i, n]
-            for j in range(cols_per_thread):
-                bt[j] = b_tile[n, tx + threads_x * j]
-            for i in range(rows_per_thread):
-                for j in range(cols_per_thread):
-                    acc[i, j] += p[i] * bt[j]
+                p[i, 0], p[i, 1], p[i, 2], p[i, 3] = load_f32x4(p_tile, ty + threads_y * i, n)
+            for k in range(4):
+                for j in range(0, cols_per_thread, 4):
+                    b0, b1, b2, b3 = load_f32x4(b_tile, n + k, col0 + j)
+                    for i in range(rows_per_thread):
+                        acc[i, j] += p[i, k] * b0
+                        acc[i, j + 1] += p[i, k] * b1
+                        acc[i, j + 2] += p[i, k] * b2
+                        acc[i, j + 3] += p[i, k] * b3
 
     return tile_accumulate
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_tile(rows_per_thread, cols_per_thread, threads_y, threads_x, head_dim):
+def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim):
     """store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
-    tx + TX*j] = acc[i, j] * scale for rows < nrows and columns < head_dim."""
+    tx*cols_per_thread + j] = acc[i, j] * scale for rows < nrows and columns < head_dim."""
 
     @cuda.jit(device=True, inline="always")
     def store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale):
@@ -89,7 +106,7 @@ def make_store_tile(rows_per_thread, cols_per_thread, threads_y, threads_x, head
             row = row0 + ty + threads_y * i
             if row < nrows:
                 for j in range(cols_per_thread):
-                    col = tx + threads_x * j
+                    col = tx * cols_per_thread + j
                     if col < head_dim:
                         dst[b, row, h, col] = acc[i, j] * scale
 

@@ -27,8 +27,10 @@ class SimtConfig:
         return self.threads_x * self.threads_y
 
     def padded_head_dim(self, head_dim):
-        """head_dim rounded up to a multiple of threads_x (padded columns hold zeros)."""
-        return -(-head_dim // self.threads_x) * self.threads_x
+        """head_dim rounded up so that each of the threads_x column groups is a whole number of
+        16-byte vectors (padded columns hold zeros)."""
+        quantum = 4 * self.threads_x
+        return -(-head_dim // quantum) * quantum
 
 
 # Chosen so that every tile fits in 48 KiB of static shared memory (checked by
@@ -64,7 +66,7 @@ def simt_backward_config(head_dim):
 
 def forward_shared_bytes(config, head_dim):
     """Shared memory of the SIMT forward kernel (q tile, k/v tile, P tile, row partials)."""
-    row = config.padded_head_dim(head_dim) + 1
+    row = config.padded_head_dim(head_dim) + 4
     floats = ((config.block_m + config.block_n) * row
               + config.block_m * (config.block_n + config.threads_x)
               + config.block_m * config.threads_x)
@@ -73,7 +75,7 @@ def forward_shared_bytes(config, head_dim):
 
 def backward_shared_bytes(config, head_dim):
     """Shared memory of the larger SIMT backward kernel (dk/dv): q, dO, k, v, P, dS tiles."""
-    row = config.padded_head_dim(head_dim) + 1
+    row = config.padded_head_dim(head_dim) + 4
     tile = max(config.block_m, config.block_n)
     floats = 2 * (config.block_m + config.block_n) * row + 2 * tile * (tile + config.threads_x)
     return 4 * (floats + 2 * config.block_m)

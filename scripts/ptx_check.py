@@ -19,7 +19,7 @@ from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noq
 from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
 from numba_flash.config import simt_backward_config, simt_forward_config  # noqa: E402
 
-COUNTED = ("fma.rn.f32", "ld.shared", "st.shared", "ex2.approx", "bar.sync")
+COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync")
 
 
 def kernel_cases(head_dims, dtypes):
