@@ -33,8 +33,12 @@ class SimtConfig:
         return -(-head_dim // quantum) * quantum
 
 
-# Chosen so that every tile fits in 48 KiB of static shared memory (checked by
-# forward_shared_bytes / backward_shared_bytes in the tests) with 64-128 threads per block.
+# Every entry fits in 48 KiB of static shared memory (forward_shared_bytes / backward_shared_bytes,
+# checked in tests/test_config.py). The forward entries are the fastest candidates of
+# scripts/tune_simt.py on an H200, 2026-11-29, N = 4096, fp32 and fp16 (docs/tune_simt_2026-11-29.log):
+# d32 (64,64,8,16) 16.9 TFLOP/s; d64 (64,32,8,16) 12.9; d128 (32,32,16,8) 8.0 (8.1 for
+# (32,32,8,8) in fp32 is within noise, and it lost in fp16); d256 (16,16,16,8) 4.1.
+# The backward entries are the forward's shapes shrunk to hold six tiles; not yet tuned.
 _SIMT_FORWARD = (  # (max head_dim, config)
     (32, SimtConfig(block_m=64, block_n=64, threads_x=8, threads_y=16)),
     (64, SimtConfig(block_m=64, block_n=32, threads_x=8, threads_y=16)),
