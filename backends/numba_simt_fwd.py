@@ -139,16 +139,17 @@ def forward_kernel_function(config, head_dim, causal):
             for t in range(TX):
                 l_row += row_partial[r, t]
             if row < seqlen_q:
-                inv_l = ONE / l_row if l_row > ZERO else ZERO  # a row with no key gets 0
+                no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
+                inv_l = ZERO if no_key else ONE / l_row
                 for jd in range(TD):
                     col = tx * TD + jd
                     if col < head_dim:
                         out[b, row, h, col] = acc[i, jd] * inv_l
                 if tx == 0:
-                    if l_row > ZERO:
-                        lse[b, h, row] = (m_i[i] + math.log2(l_row)) * LN2
-                    else:
+                    if no_key:
                         lse[b, h, row] = NEG_INF
+                    else:
+                        lse[b, h, row] = (m_i[i] + math.log2(l_row)) * LN2
 
     return flash_forward
 

@@ -35,9 +35,10 @@ def attention_forward(xp, q, k, v, causal, softmax_scale, dtype):
     m_safe = xp.where(xp.isneginf(m), zero, m)
     p = xp.exp(s - m_safe)
     l = p.sum(axis=-1, keepdims=True)
-    l_safe = xp.where(l > 0, l, xp.asarray(1, dtype))
-    out = xp.where(l > 0, (p @ _to_heads(xp, v, dtype)) / l_safe, zero)
-    lse = xp.where(l > 0, m_safe + xp.log(l_safe), xp.asarray(-xp.inf, dtype))[..., 0]
+    no_key = l == 0  # exactly zero: the row saw no key (NaN inputs keep a NaN l and propagate)
+    l_safe = xp.where(no_key, xp.asarray(1, dtype), l)
+    out = xp.where(no_key, zero, (p @ _to_heads(xp, v, dtype)) / l_safe)
+    lse = xp.where(no_key, xp.asarray(-xp.inf, dtype), m_safe + xp.log(l_safe))[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 

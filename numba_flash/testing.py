@@ -10,14 +10,15 @@ FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
 
 def max_error(got, ref):
-    """Max |got - ref| over the entries where ref is finite. Non-finite entries must equal the
-    reference's exactly (-inf lse of a row with no key); any other mismatch returns inf."""
+    """Max |got - ref| over the entries where ref is finite. Non-finite entries must match the
+    reference's exactly (NaN where it has NaN, -inf lse of a row with no key, ...); any other
+    mismatch returns inf."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     if got.shape != ref.shape:
         raise ValueError(f"shape {got.shape} differs from the reference's {ref.shape}")
     finite = np.isfinite(ref)
     if not np.array_equal(np.isfinite(got), finite) or \
-            not np.array_equal(got[~finite], ref[~finite]):
+            not np.array_equal(got[~finite], ref[~finite], equal_nan=True):
         return float("inf")
     return float(np.abs(got[finite] - ref[finite]).max()) if finite.any() else 0.0
 
