@@ -156,19 +156,21 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     groups = sorted({(r["dtype"], r["headdim"], r["causal"], r["passes"]) for r in rows})
+    names = sorted({n for r in rows for n in r["results"]})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}  # one colour per implementation
     fig, axes = plt.subplots(2, len(groups), figsize=(4.5 * len(groups), 8), squeeze=False)
     for col, (dtype, headdim, causal, passes) in enumerate(groups):
         sel = [r for r in rows if (r["dtype"], r["headdim"], r["causal"], r["passes"]) ==
                (dtype, headdim, causal, passes)]
-        names = sorted({n for r in sel for n in r["results"]})
         for name in names:
             pts = [(r["seqlen"], r["results"][name]) for r in sel
                    if "tflops" in r["results"].get(name, {})]
             if not pts:
                 continue
             xs = [p[0] for p in pts]
-            axes[0][col].plot(xs, [p[1]["tflops"] for p in pts], marker="o", label=name)
-            axes[1][col].plot(xs, [p[1]["peak_extra_mib"] for p in pts], marker="o", label=name)
+            style = dict(marker="o", label=name, color=colors[name])
+            axes[0][col].plot(xs, [p[1]["tflops"] for p in pts], **style)
+            axes[1][col].plot(xs, [p[1]["peak_extra_mib"] for p in pts], **style)
         title = f"{passes} {dtype} d{headdim} {'causal' if causal else 'full'}"
         axes[0][col].set(title=title, xscale="log", xlabel="seqlen", ylabel="TFLOP/s")
         axes[1][col].set(xscale="log", yscale="log", xlabel="seqlen",
