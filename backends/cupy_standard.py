@@ -62,7 +62,7 @@ class CupyStandardBackend(Backend):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
-            q, k, v = (cupy.asarray(x) for x in (q, k, v))
+            q, k, v = (cupy.asarray(_arrays.detached(x)) for x in (q, k, v))
             out, lse = attention_forward(cupy, q, k, v, causal, softmax_scale, dtype)
             return cupy.ascontiguousarray(out), lse.astype(cupy.float32)
 
@@ -70,6 +70,6 @@ class CupyStandardBackend(Backend):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
-            arrays = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
+            arrays = [cupy.asarray(_arrays.detached(x)) for x in (dout, q, k, v, out, lse)]
             grads = attention_backward(cupy, *arrays, causal, softmax_scale, dtype)
             return tuple(cupy.ascontiguousarray(g) for g in grads)

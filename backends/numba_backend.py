@@ -63,12 +63,24 @@ class NumbaBackend(Backend):
     def _prepare(self, ref, arrays):
         """(stream, kernel views of arrays) for a launch on the caller's current stream."""
         if simulator_enabled():
-            return 0, [np.ascontiguousarray(x) for x in arrays]
+            return 0, [np.ascontiguousarray(_arrays.as_numpy(x)) for x in arrays]
         from numba import cuda
         handle = _arrays.caller_stream_handle(ref)
-        stream = cuda.external_stream(handle) if handle else cuda.default_stream()
+        if handle in (None, 1):
+            stream = cuda.legacy_default_stream()
+        elif handle == 2:
+            stream = cuda.per_thread_default_stream()
+        else:
+            stream = cuda.external_stream(handle)
         # sync=False: the caller's stream already orders the producer of these arrays before us.
-        return stream, [cuda.as_cuda_array(x, sync=False) for x in arrays]
+        return stream, [cuda.as_cuda_array(_arrays.detached(x), sync=False) for x in arrays]
+
+    def _on_device(self, ref):
+        """Numba's current device set to the arrays' GPU for the allocations and launches."""
+        if simulator_enabled():
+            return contextlib.nullcontext()
+        from numba import cuda
+        return cuda.gpus[_arrays.device_id(ref)]
 
     def _new(self, ref, shape, dtype):
         if simulator_enabled():
@@ -78,20 +90,22 @@ class NumbaBackend(Backend):
     def forward(self, q, k, v, *, causal, softmax_scale):
         from .numba_simt_fwd import launch_forward
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
-        out = self._new(q, tuple(int(s) for s in q.shape), _arrays.dtype_name(q))
-        lse = self._new(q, (batch, nheads, seqlen_q), np.float32)
-        stream, (qv, kv, vv, outv, lsev) = self._prepare(q, [q, k, v, out, lse])
-        with self._quiet_launch():
-            launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
+        with self._on_device(q):
+            out = self._new(q, tuple(int(s) for s in q.shape), _arrays.dtype_name(q))
+            lse = self._new(q, (batch, nheads, seqlen_q), np.float32)
+            stream, (qv, kv, vv, outv, lsev) = self._prepare(q, [q, k, v, out, lse])
+            with self._quiet_launch():
+                launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
         return outv if simulator_enabled() else out, lsev if simulator_enabled() else lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
         from .numba_simt_bwd import launch_backward
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
         dtype = _arrays.dtype_name(q)
-        grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
-        delta = self._new(q, (batch, nheads, seqlen_q), np.float32)
-        stream, views = self._prepare(q, [dout, q, k, v, out, lse, delta] + grads)
-        with self._quiet_launch():
-            launch_backward(*views, causal, softmax_scale, stream)
+        with self._on_device(q):
+            grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
+            delta = self._new(q, (batch, nheads, seqlen_q), np.float32)
+            stream, views = self._prepare(q, [dout, q, k, v, out, lse, delta] + grads)
+            with self._quiet_launch():
+                launch_backward(*views, causal, softmax_scale, stream)
         return tuple(views[7:]) if simulator_enabled() else tuple(grads)

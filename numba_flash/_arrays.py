@@ -76,15 +76,24 @@ def empty_like_kind(ref, shape, dtype):
 
 
 def caller_stream_handle(x):
-    """The raw cudaStream_t of the caller's current stream for this array's library (0 = legacy)."""
+    """The caller's current stream for this array, as __cuda_array_interface__ encodes streams:
+    a cudaStream_t, or 1 / None for the legacy default stream, 2 for the per-thread one."""
     kind = array_kind(x)
     if kind == CUPY:
         import cupy
-        return cupy.cuda.get_current_stream().ptr
+        with cupy.cuda.Device(x.device.id):  # the stream current on the array's device
+            return cupy.cuda.get_current_stream().ptr or 1
     if kind == TORCH:
         import torch
-        return torch.cuda.current_stream(x.device).cuda_stream
-    return 0
+        return torch.cuda.current_stream(x.device).cuda_stream or 1
+    if kind == CUDA:  # the producer's stream, if the interface names one
+        return x.__cuda_array_interface__.get("stream")
+    return None
+
+
+def detached(x):
+    """torch tensors that require grad refuse to export their memory; the kernels only read it."""
+    return x.detach() if type(x).__module__.startswith("torch") else x
 
 
 def convert_like(x, ref):
@@ -94,6 +103,9 @@ def convert_like(x, ref):
     if array_kind(x) == kind and type(x) is type(ref):
         return x
     if kind == HOST:
+        if type(ref).__module__.startswith("torch"):  # a CPU torch tensor in, one out
+            import torch
+            return torch.from_numpy(np.ascontiguousarray(as_numpy(x)))
         return as_numpy(x)
     if kind == CUPY:
         import cupy

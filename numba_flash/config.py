@@ -22,6 +22,19 @@ class SimtConfig:
     threads_x: int
     threads_y: int
 
+    def __post_init__(self):
+        # The kernels assume these: register tiles divide the block tiles evenly (both ways,
+        # since the backward transposes the score tile), and rows of P / dS are read 16 bytes
+        # at a time.
+        for block in (self.block_m, self.block_n):
+            for threads in (self.threads_x, self.threads_y):
+                if block % threads:
+                    raise ValueError(f"{self}: tile size {block} is not a multiple of {threads}")
+            if block % 4:
+                raise ValueError(f"{self}: tile sizes must be multiples of 4")
+        if self.threads_x % 4:
+            raise ValueError(f"{self}: threads_x must be a multiple of 4")
+
     @property
     def threads(self):
         return self.threads_x * self.threads_y

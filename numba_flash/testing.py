@@ -25,6 +25,8 @@ def max_error(got, ref):
 
 def error_bound(baseline_error, ref, dtype):
     """2 x the plain implementation's error + FLOOR[dtype] x max(1, max |ref|)."""
+    if not np.isfinite(baseline_error):  # an infinite bound would let anything pass
+        raise ValueError("the baseline's non-finite entries differ from the reference's")
     ref = np.asarray(ref, np.float64)
     finite = ref[np.isfinite(ref)]
     scale = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0

@@ -20,3 +20,12 @@ def test_configs_fit_and_divide(head_dim):
 def test_head_dim_above_256_is_refused():
     with pytest.raises(ValueError, match="headdim must be <= 256; got 257"):
         simt_forward_config(257)
+
+
+@pytest.mark.parametrize("shape, message", [((64, 30, 8, 16), "30 is not a multiple of 8"),
+                                            ((24, 24, 8, 16), "24 is not a multiple of 16"),
+                                            ((12, 12, 6, 6), "multiple")])
+def test_invalid_configs_are_refused(shape, message):
+    from numba_flash.config import SimtConfig
+    with pytest.raises(ValueError, match=message):
+        SimtConfig(*shape)

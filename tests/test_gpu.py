@@ -128,3 +128,27 @@ def test_forward_memory_is_linear_in_seqlen(cp, rng):
     cp.cuda.get_current_stream().synchronize()
     extra = pool.total_bytes() - before
     assert extra <= q.nbytes + 8 * 16384 * 4 * 2, extra  # out, lse (+ allocator rounding)
+
+
+def test_torch_tensors_that_require_grad(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(1, 200, 2, 32, device="cuda", requires_grad=True) for _ in range(3))
+    for backend in ("numba", "cupy"):
+        out, lse = numba_flash.forward(q, k, v, backend=backend)
+        assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+def test_numba_arrays_run_on_the_stream_their_interface_names(rng, monkeypatch):
+    from numba import cuda
+    seen = []
+    real = cuda.external_stream
+    monkeypatch.setattr(cuda, "external_stream", lambda ptr: seen.append(ptr) or real(ptr))
+    stream = cuda.stream()
+    q, k, v = (cuda.to_device(rng.standard_normal((1, 300, 2, 32)).astype("float32"),
+                              stream=stream) for _ in range(3))
+    out, _ = numba_flash.forward(q, k, v, backend="numba")
+    stream.synchronize()
+    assert seen == [stream.handle.value]
+    ref, _ = attention_forward(np, *(x.copy_to_host() for x in (q, k, v)), False, 32 ** -0.5,
+                               np.float64)
+    assert np.abs(out.copy_to_host() - ref).max() < 1e-5
