@@ -1,16 +1,31 @@
 """Device intrinsics that Numba has no API for, each with a pure-Python twin for the simulator.
 
 Under NUMBA_ENABLE_CUDASIM=1 kernels run as Python, where an @intrinsic cannot be called, so
-every name here is bound at import time to either the compiled intrinsic or its Python twin;
-the kernels call the name and run unchanged in both worlds.
+every public name here is bound at import time to either the compiled intrinsic (PTX through
+llvmlite inline assembly) or its Python twin; kernels call the name and run unchanged in both.
 
-SHARED_ALIGN is the alignment to request for shared tiles read with load_f32x4 (the simulator
-rejects any alignment argument, so it is None there).
+Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values through block barriers
+(numba_flash._sim_warp), so in kernels they must be called by every thread of the block
+together, like syncthreads().
+
+Register fragments of f16/bf16 data are uint32 holding two 16-bit values, the first element
+in the low half. Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix Fragments for
+mma.m16n8k16"), with g = lane // 4 and t = lane % 4:
+    A (16x16, row-major): a0 = A[g, 2t:2t+2]  a1 = A[g+8, 2t:2t+2]
+                          a2 = A[g, 2t+8:2t+10]  a3 = A[g+8, 2t+8:2t+10]
+    B (16x8, K x N):      b0 = B[2t:2t+2, g]  b1 = B[2t+8:2t+10, g]
+    C, D (16x8, f32):     c0, c1 = C[g, 2t], C[g, 2t+1]   c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+SHARED_ALIGN is the alignment to request for shared tiles read with 16-byte loads (the
+simulator rejects any alignment argument, so it is None there).
 """
+import numpy as np
+from llvmlite import ir
 from numba import config, types
 from numba.core import cgutils
 from numba.cuda.extending import intrinsic
-from llvmlite import ir
+
+from numba_flash import _sim_warp
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 SHARED_ALIGN = None if SIMULATED else 16
@@ -48,4 +63,314 @@ def _load_f32x4_python(array, row, col):
     return (array[row, col], array[row, col + 1], array[row, col + 2], array[row, col + 3])
 
 
-load_f32x4 = _load_f32x4_python if SIMULATED else _load_f32x4
+
+# -- helpers for writing intrinsics ---------------------------------------------------------------
+
+_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def _asm(builder, text, constraints, args, outputs=(), side_effect=False):
+    """Call inline PTX; returns the list of output values (LLVM types in `outputs`)."""
+    if len(outputs) == 0:
+        ret = ir.VoidType()
+    elif len(outputs) == 1:
+        ret = outputs[0]
+    else:
+        ret = ir.LiteralStructType(list(outputs))
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    result = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+    if len(outputs) <= 1:
+        return [result] if outputs else []
+    return [builder.extract_value(result, i) for i in range(len(outputs))]
+
+
+def _element_address(context, builder, array_type, array_value, index_types, index_values):
+    """Generic address (i64) of array[indices], without negative-index wraparound."""
+    array = context.make_array(array_type)(context, builder, array_value)
+    indices = [context.cast(builder, v, t, types.intp)
+               for v, t in zip(index_values, index_types)]
+    pointer = cgutils.get_item_pointer(context, builder, array_type, array, indices,
+                                       wraparound=False)
+    return builder.ptrtoint(pointer, _I64)
+
+
+def _casts(context, builder, values, from_types, to_type):
+    return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types)]
+
+
+_SHARED_ADDRESS = "cvta.to.shared.u64 sa, {0}; cvt.u32.u64 s, sa;"
+
+
+# -- mma.sync m16n8k16 ------------------------------------------------------------------------------
+
+def _make_mma(input_type):
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{input_type}.{input_type}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            regs = _casts(context, builder, args[:6], sig.args[:6], types.uint32)
+            accs = _casts(context, builder, args[6:], sig.args[6:], types.float32)
+            parts = _asm(builder, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", regs + accs,
+                         outputs=[_F32] * 4)
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    return mma
+
+
+def _mma_python(unpack):
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        lanes = _sim_warp.warp_exchange((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+        a = np.zeros((16, 16), np.float32)
+        b = np.zeros((16, 8), np.float32)
+        c = np.zeros((16, 8), np.float32)
+        for lane, regs in enumerate(lanes):
+            g, t = lane // 4, lane % 4
+            a[g, 2 * t:2 * t + 2] = unpack(regs[0])
+            a[g + 8, 2 * t:2 * t + 2] = unpack(regs[1])
+            a[g, 2 * t + 8:2 * t + 10] = unpack(regs[2])
+            a[g + 8, 2 * t + 8:2 * t + 10] = unpack(regs[3])
+            b[2 * t:2 * t + 2, g] = unpack(regs[4])
+            b[2 * t + 8:2 * t + 10, g] = unpack(regs[5])
+            c[g, 2 * t:2 * t + 2] = regs[6:8]
+            c[g + 8, 2 * t:2 * t + 2] = regs[8:10]
+        d = a @ b + c
+        g, t = _sim_warp.lane_id() // 4, _sim_warp.lane_id() % 4
+        return (d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
+    return mma
+
+
+# -- f16x2 / bf16x2 packing -------------------------------------------------------------------------
+
+def _make_pack(kind):
+    text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # the first source goes to the upper half
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo_value, hi_value = _casts(context, builder, args, sig.args, types.float32)
+            return _asm(builder, text, "=r,f,f", [hi_value, lo_value], outputs=[_I32])[0]
+
+        return sig, codegen
+
+    return pack
+
+
+def _make_unpack(text):
+    @intrinsic
+    def unpack(typingctx, packed):
+        sig = types.UniTuple(types.float32, 2)(packed)
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.uint32)
+            parts = _asm(builder, text, "=f,=f,r", [value], outputs=[_F32, _F32])
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    return unpack
+
+
+_UNPACK_F16X2 = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                 "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+_UNPACK_BF16X2 = ("{ .reg .b32 lo, hi; shl.b32 lo, $2, 16; and.b32 hi, $2, 0xffff0000; "
+                  "mov.b32 $0, lo; mov.b32 $1, hi; }")  # bf16 is the top half of an f32
+
+
+def _bits_to_f16x2(lo_bits, hi_bits):
+    return np.uint32(int(lo_bits) | (int(hi_bits) << 16))
+
+
+def _pack_f16x2_python(lo, hi):
+    bits = np.array([lo, hi], np.float32).astype(np.float16).view(np.uint16)
+    return _bits_to_f16x2(bits[0], bits[1])
+
+
+def _unpack_f16x2_python(packed):
+    packed = int(packed)
+    halves = np.array([packed & 0xFFFF, packed >> 16], np.uint16).view(np.float16)
+    return float(np.float32(halves[0])), float(np.float32(halves[1]))
+
+
+def _to_bf16_bits(x):
+    """float32 -> bfloat16 bits, rounding to nearest even (as cvt.rn.bf16x2.f32)."""
+    bits = int(np.array([x], np.float32).view(np.uint32)[0])
+    if np.isnan(np.float32(x)):
+        return (bits >> 16) | 0x40
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _pack_bf16x2_python(lo, hi):
+    return _bits_to_f16x2(_to_bf16_bits(lo), _to_bf16_bits(hi))
+
+
+def _unpack_bf16x2_python(packed):
+    packed = int(packed)
+    words = np.array([(packed & 0xFFFF) << 16, packed & 0xFFFF0000], np.uint32)
+    lo, hi = words.view(np.float32)
+    return float(lo), float(hi)
+
+
+# -- ldmatrix ---------------------------------------------------------------------------------------
+
+def _make_ldmatrix(transpose):
+    text = ("{ .reg .u64 sa; .reg .u32 s; " + _SHARED_ADDRESS.format("$4") +
+            f" ldmatrix.sync.aligned.m8n8.x4{'.trans' if transpose else ''}.shared.b16 "
+            "{$0,$1,$2,$3}, [s]; }")
+
+    @intrinsic
+    def ldmatrix(typingctx, array, row, col):
+        if not (isinstance(array, types.Array) and array.ndim == 2 and
+                array.dtype.bitwidth == 16):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(array, row, col)
+
+        def codegen(context, builder, sig, args):
+            address = _element_address(context, builder, sig.args[0], args[0], sig.args[1:],
+                                       args[1:])
+            parts = _asm(builder, text, "=r,=r,=r,=r,l", [address], outputs=[_I32] * 4,
+                         side_effect=True)
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    return ldmatrix
+
+
+def _ldmatrix_python(transpose):
+    def ldmatrix(array, row, col):
+        """Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l // 8."""
+        own_row = np.ascontiguousarray(array[row, col:col + 8]).view(np.uint16).copy()
+        rows = _sim_warp.warp_exchange(own_row)
+        lane = _sim_warp.lane_id()
+        g, t = lane // 4, lane % 4
+        regs = []
+        for matrix in range(4):
+            m = rows[8 * matrix:8 * matrix + 8]
+            if transpose:
+                regs.append(_bits_to_f16x2(m[2 * t][g], m[2 * t + 1][g]))
+            else:
+                regs.append(_bits_to_f16x2(m[g][2 * t], m[g][2 * t + 1]))
+        return tuple(regs)
+    return ldmatrix
+
+
+# -- cp.async (16 bytes, global -> shared) ----------------------------------------------------------
+
+_CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + _SHARED_ADDRESS.format("$0") +
+             " cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [s], [ga], 16, $2; }")
+
+
+@intrinsic
+def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
+    """Copy 16 bytes from &src[b, n, h, d] to &dst[drow, dcol]; with src_bytes = 0 the
+    destination is zero-filled instead (tails). Both addresses must be 16-byte aligned."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 2 and
+            src.ndim == 4):
+        return None
+    sig = types.void(dst, drow, dcol, src, b, n, h, d, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        dst_address = _element_address(context, builder, sig.args[0], args[0], sig.args[1:3],
+                                       args[1:3])
+        src_address = _element_address(context, builder, sig.args[3], args[3], sig.args[4:8],
+                                       args[4:8])
+        size = context.cast(builder, args[8], sig.args[8], types.uint32)
+        _asm(builder, _CP_ASYNC, "l,l,r,~{memory}", [dst_address, src_address, size],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
+    count = 16 // dst.itemsize
+    if src_bytes:
+        dst[drow, dcol:dcol + count] = src[b, n, h, d:d + count]
+    else:
+        dst[drow, dcol:dcol + count] = 0
+
+
+@intrinsic
+def _cp_async_commit(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, "cp.async.commit_group;", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_wait(typingctx, pending):
+    """Wait until at most `pending` (a literal int) committed groups are still in flight."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    text = f"cp.async.wait_group {pending.literal_value};"
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, text, "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _cp_async_commit_python():
+    pass  # the Python copy completed at once
+
+
+def _cp_async_wait_python(pending):
+    pass
+
+
+# -- warp shuffle -----------------------------------------------------------------------------------
+
+def _shfl_xor_python(value, lane_mask):
+    values = _sim_warp.warp_exchange(value)
+    return values[_sim_warp.lane_id() ^ lane_mask]
+
+
+def _make_shfl_xor():
+    from numba import cuda
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_xor(value, lane_mask):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
+
+    return shfl_xor
+
+
+# -- the public names -------------------------------------------------------------------------------
+# Exponentials need no intrinsic: math.exp2 on float32 compiles to ex2.approx.f32.
+
+if SIMULATED:
+    load_f32x4 = _load_f32x4_python
+    mma_f16 = _mma_python(_unpack_f16x2_python)
+    mma_bf16 = _mma_python(_unpack_bf16x2_python)
+    pack_f16x2, unpack_f16x2 = _pack_f16x2_python, _unpack_f16x2_python
+    pack_bf16x2, unpack_bf16x2 = _pack_bf16x2_python, _unpack_bf16x2_python
+    ldmatrix_x4 = _ldmatrix_python(transpose=False)
+    ldmatrix_x4_trans = _ldmatrix_python(transpose=True)
+    cp_async_16 = _cp_async_16_python
+    cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
+    shfl_xor = _shfl_xor_python
+else:
+    load_f32x4 = _load_f32x4
+    mma_f16 = _make_mma("f16")
+    mma_bf16 = _make_mma("bf16")
+    pack_f16x2, unpack_f16x2 = _make_pack("f16"), _make_unpack(_UNPACK_F16X2)
+    pack_bf16x2, unpack_bf16x2 = _make_pack("bf16"), _make_unpack(_UNPACK_BF16X2)
+    ldmatrix_x4 = _make_ldmatrix(transpose=False)
+    ldmatrix_x4_trans = _make_ldmatrix(transpose=True)
+    cp_async_16 = _cp_async_16
+    cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
+    shfl_xor = _make_shfl_xor()

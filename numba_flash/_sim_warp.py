@@ -1,0 +1,27 @@
+"""Warp-level data exchange for the CUDA simulator, which has no warp operations.
+
+The simulator runs every thread of a block as a Python thread and implements syncthreads()
+as a block-wide barrier. A warp collective is emulated the same way the simulator emulates
+syncthreads_count: each thread posts its value, all threads meet at a barrier, each reads its
+warp's 32 values, and a second barrier keeps the next exchange from overwriting them early.
+So, like syncthreads(), a twin that exchanges must be called by every thread of the block.
+"""
+import threading
+
+WARP_SIZE = 32
+
+
+def warp_exchange(value):
+    """All 32 lanes' values (a list indexed by lane) of the calling thread's warp."""
+    thread = threading.current_thread()
+    board = thread._manager.__dict__.setdefault("_numba_flash_exchange", {})
+    board[thread.thread_id] = value
+    thread.syncthreads()
+    first = thread.thread_id - thread.thread_id % WARP_SIZE
+    values = [board.get(first + lane) for lane in range(WARP_SIZE)]
+    thread.syncthreads()
+    return values
+
+
+def lane_id():
+    return threading.current_thread().thread_id % WARP_SIZE

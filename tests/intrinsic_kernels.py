@@ -1,0 +1,97 @@
+"""Small kernels exercising each intrinsic; used by tests/test_intrinsics.py (simulator and GPU)
+and compiled to PTX by its PTX test. Each launches with whole warps."""
+from numba import cuda
+from numba.core.types import float16
+
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4,
+                                    ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
+                                    pack_f16x2, shfl_xor, unpack_bf16x2, unpack_f16x2)
+
+
+def mma_f16_kernel(a_frags, b_frags, c_frags, d_frags):
+    """d = A B + C for one 16x8x16 product per warp; *_frags[warp, lane, :] are fragments."""
+    tid = cuda.threadIdx.x
+    w, lane = tid // 32, tid % 32
+    d = mma_f16(a_frags[w, lane, 0], a_frags[w, lane, 1], a_frags[w, lane, 2],
+                a_frags[w, lane, 3], b_frags[w, lane, 0], b_frags[w, lane, 1],
+                c_frags[w, lane, 0], c_frags[w, lane, 1], c_frags[w, lane, 2],
+                c_frags[w, lane, 3])
+    for i in range(4):
+        d_frags[w, lane, i] = d[i]
+
+
+def mma_bf16_kernel(a_frags, b_frags, c_frags, d_frags):
+    tid = cuda.threadIdx.x
+    w, lane = tid // 32, tid % 32
+    d = mma_bf16(a_frags[w, lane, 0], a_frags[w, lane, 1], a_frags[w, lane, 2],
+                 a_frags[w, lane, 3], b_frags[w, lane, 0], b_frags[w, lane, 1],
+                 c_frags[w, lane, 0], c_frags[w, lane, 1], c_frags[w, lane, 2],
+                 c_frags[w, lane, 3])
+    for i in range(4):
+        d_frags[w, lane, i] = d[i]
+
+
+def ldmatrix_kernel(matrix, regs, regs_trans):
+    """One warp: a 16x16 f16 tile in shared memory, read back with ldmatrix x4 (lane l points
+    at row l % 16, column 8 * (l // 16)) with and without .trans."""
+    tile = cuda.shared.array((16, 16), float16, SHARED_ALIGN)
+    lane = cuda.threadIdx.x
+    for c in range(16):
+        tile[lane % 16, c] = matrix[lane % 16, c]
+    cuda.syncthreads()
+    r = ldmatrix_x4(tile, lane % 16, 8 * (lane // 16))
+    rt = ldmatrix_x4_trans(tile, lane % 16, 8 * (lane // 16))
+    for i in range(4):
+        regs[lane, i] = r[i]
+        regs_trans[lane, i] = rt[i]
+
+
+def cp_async_kernel(src, dst, rows_valid):
+    """One warp copies src[0, r, 0, 0:16] (f16) to shared rows with cp.async, 16 bytes per lane;
+    rows >= rows_valid are zero-filled. Then the tile goes to dst."""
+    tile = cuda.shared.array((16, 16), float16, SHARED_ALIGN)
+    lane = cuda.threadIdx.x
+    row, col = lane // 2, 8 * (lane % 2)
+    cp_async_16(tile, row, col, src, 0, row, 0, col, 16 if row < rows_valid else 0)
+    cp_async_commit()
+    cp_async_wait(0)
+    cuda.syncthreads()
+    for c in range(8):
+        dst[row, col + c] = tile[row, col + c]
+
+
+def shfl_sum_kernel(values, sums):
+    """Butterfly sum over each warp with shfl_xor; every lane ends with its warp's total."""
+    tid = cuda.threadIdx.x
+    total = values[tid]
+    for mask in (16, 8, 4, 2, 1):
+        total += shfl_xor(total, mask)
+    sums[tid] = total
+
+
+def pack_kernel(x, f16_words, bf16_words, f16_back, bf16_back):
+    i = cuda.threadIdx.x
+    f16_words[i] = pack_f16x2(x[i, 0], x[i, 1])
+    bf16_words[i] = pack_bf16x2(x[i, 0], x[i, 1])
+    lo, hi = unpack_f16x2(f16_words[i])
+    f16_back[i, 0] = lo
+    f16_back[i, 1] = hi
+    lo, hi = unpack_bf16x2(bf16_words[i])
+    bf16_back[i, 0] = lo
+    bf16_back[i, 1] = hi
+
+
+# (kernel, PTX signature, instructions its PTX must contain)
+PTX_CASES = [
+    (mma_f16_kernel, "(uint32[:, :, :], uint32[:, :, :], float32[:, :, :], float32[:, :, :])",
+     ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]),
+    (mma_bf16_kernel, "(uint32[:, :, :], uint32[:, :, :], float32[:, :, :], float32[:, :, :])",
+     ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]),
+    (ldmatrix_kernel, "(float16[:, :], uint32[:, :], uint32[:, :])",
+     ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans"]),
+    (cp_async_kernel, "(float16[:, :, :, :], float16[:, :], int32)",
+     ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0"]),
+    (shfl_sum_kernel, "(float32[:], float32[:])", ["shfl.sync.bfly"]),
+    (pack_kernel, "(float32[:, :], uint32[:], uint32[:], float32[:, :], float32[:, :])",
+     ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "cvt.f32.f16"]),
+]

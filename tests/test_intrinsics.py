@@ -1,0 +1,165 @@
+"""The tensor-core and warp intrinsics against NumPy: under the simulator (their Python twins)
+and, with `-m gpu`, on the GPU (the PTX). Plus: each compiles to the intended PTX instructions
+for sm_80 and sm_90."""
+import json
+import os
+import subprocess
+import sys
+
+import intrinsic_kernels as kernels
+import numpy as np
+import pytest
+from numba import cuda
+
+MODES = ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def _bits16(x, dtype):
+    """16-bit patterns of float32 values rounded to float16 or bfloat16 (round to nearest even)."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint32)
+
+
+def _from_bits16(bits, dtype):
+    bits = np.asarray(bits, np.uint32)
+    if dtype == "float16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    return (bits << 16).astype(np.uint32).view(np.float32)
+
+
+def _pair(bits, i0, i1):
+    return bits[i0] | (bits[i1] << 16)
+
+
+def a_fragments(a_bits):
+    """The mma A fragments (32 lanes x 4 words) of a 16x16 matrix of 16-bit patterns."""
+    frags = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        frags[lane] = [a_bits[g, 2 * t] | (a_bits[g, 2 * t + 1] << 16),
+                       a_bits[g + 8, 2 * t] | (a_bits[g + 8, 2 * t + 1] << 16),
+                       a_bits[g, 2 * t + 8] | (a_bits[g, 2 * t + 9] << 16),
+                       a_bits[g + 8, 2 * t + 8] | (a_bits[g + 8, 2 * t + 9] << 16)]
+    return frags
+
+
+def b_fragments(b_bits):
+    """The mma B fragments (32 lanes x 2 words) of a 16x8 (K x N) matrix."""
+    frags = np.zeros((32, 2), np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        frags[lane] = [b_bits[2 * t, g] | (b_bits[2 * t + 1, g] << 16),
+                       b_bits[2 * t + 8, g] | (b_bits[2 * t + 9, g] << 16)]
+    return frags
+
+
+def c_fragments(c):
+    frags = np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        frags[lane] = [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+    return frags
+
+
+def c_from_fragments(frags):
+    c = np.zeros((16, 8), np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1] = frags[lane]
+    return c
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma_m16n8k16(rng, mode, dtype):
+    warps = 2  # two warps, two different products: lanes must not mix across warps
+    a = rng.standard_normal((warps, 16, 16)).astype(np.float32)
+    b = rng.standard_normal((warps, 16, 8)).astype(np.float32)
+    c = rng.standard_normal((warps, 16, 8)).astype(np.float32)
+    a_bits, b_bits = _bits16(a, dtype), _bits16(b, dtype)
+    a_frags = np.stack([a_fragments(a_bits[w]) for w in range(warps)])
+    b_frags = np.stack([b_fragments(b_bits[w]) for w in range(warps)])
+    c_frags = np.stack([c_fragments(c[w]) for w in range(warps)])
+    d_frags = np.full((warps, 32, 4), np.nan, np.float32)
+    kernel = kernels.mma_f16_kernel if dtype == "float16" else kernels.mma_bf16_kernel
+    cuda.jit(kernel)[1, 32 * warps](a_frags, b_frags, c_frags, d_frags)
+    for w in range(warps):
+        expected = (_from_bits16(a_bits[w], dtype).astype(np.float64) @
+                    _from_bits16(b_bits[w], dtype).astype(np.float64) + c[w])
+        got = c_from_fragments(d_frags[w])
+        assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ldmatrix_gives_mma_fragments(rng, mode):
+    matrix = rng.standard_normal((16, 16)).astype(np.float16)
+    regs = np.zeros((32, 4), np.uint32)
+    regs_trans = np.zeros((32, 4), np.uint32)
+    cuda.jit(kernels.ldmatrix_kernel)[1, 32](matrix, regs, regs_trans)
+    bits = matrix.view(np.uint16).astype(np.uint32)
+    # Plain: the A fragments of the 16x16 tile.
+    assert np.array_equal(regs, a_fragments(bits))
+    # .trans: words 0, 1 are the B fragments of columns 0..7 (K = tile rows), words 2, 3 those
+    # of columns 8..15: how P·V reads V stored [key][headdim].
+    assert np.array_equal(regs_trans[:, 0:2], b_fragments(bits[:, 0:8]))
+    assert np.array_equal(regs_trans[:, 2:4], b_fragments(bits[:, 8:16]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cp_async_copies_and_zero_fills(rng, mode):
+    src = rng.standard_normal((1, 16, 1, 16)).astype(np.float16)
+    dst = np.full((16, 16), np.nan, np.float16)
+    cuda.jit(kernels.cp_async_kernel)[1, 32](src, dst, 11)
+    assert np.array_equal(dst[:11], src[0, :11, 0])
+    assert np.all(dst[11:] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shfl_xor_butterfly_sum(rng, mode):
+    values = rng.standard_normal(64).astype(np.float32)
+    sums = np.full(64, np.nan, np.float32)
+    cuda.jit(kernels.shfl_sum_kernel)[1, 64](values, sums)
+    for w in range(2):
+        assert np.allclose(sums[32 * w:32 * w + 32], values[32 * w:32 * w + 32].sum(),
+                           rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pack_and_unpack(rng, mode):
+    x = (rng.standard_normal((32, 2)) * 10).astype(np.float32)
+    f16, bf16 = np.zeros(32, np.uint32), np.zeros(32, np.uint32)
+    f16_back = np.full((32, 2), np.nan, np.float32)
+    bf16_back = np.full((32, 2), np.nan, np.float32)
+    cuda.jit(kernels.pack_kernel)[1, 32](x, f16, bf16, f16_back, bf16_back)
+    for words, back, dtype in ((f16, f16_back, "float16"), (bf16, bf16_back, "bfloat16")):
+        bits = _bits16(x, dtype)
+        assert np.array_equal(words, bits[:, 0] | (bits[:, 1] << 16)), dtype
+        assert np.array_equal(back, _from_bits16(bits, dtype)), dtype
+
+
+def test_intrinsics_compile_to_the_intended_ptx():
+    code = (
+        "import json, os, sys\n"
+        "sys.path.insert(0, os.environ['KERNELS_DIR'])\n"
+        "from numba import cuda\n"
+        "import intrinsic_kernels as k\n"
+        "out = []\n"
+        "for cc in ((8, 0), (9, 0)):\n"
+        "    for fn, sig, wanted in k.PTX_CASES:\n"
+        "        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)\n"
+        "        out.append([fn.__name__, cc, [w for w in wanted if w not in ptx],\n"
+        "                    '__local_depot' in ptx])\n"
+        "print(json.dumps(out))\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               KERNELS_DIR=os.path.dirname(os.path.abspath(kernels.__file__)))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(kernels.PTX_CASES)
+    for name, cc, missing, local in results:
+        assert not missing, f"{name} sm_{cc[0]}{cc[1]}: PTX lacks {missing}"
+        assert not local, f"{name} sm_{cc[0]}{cc[1]}: uses local memory"
