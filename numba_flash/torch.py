@@ -1,0 +1,37 @@
+"""torch integration: FlashAttention as a differentiable torch operation.
+
+    import numba_flash.torch
+    out = numba_flash.torch.attention(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
+    out.sum().backward()                                       # fills q.grad, k.grad, v.grad
+
+Imported only when asked for (`import numba_flash` does not import torch). The forward saves
+q, k, v, the output and the row log-sum-exp; the backward recomputes the attention tiles with
+numba_flash.backward. CUDA tensors run on torch's current stream.
+"""
+import torch
+
+from numba_flash import api
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """autograd wrapper of numba_flash.forward / numba_flash.backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, backend):
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = api.backward(dout, q, k, v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, backend="auto"):
+    """Differentiable exact attention of torch tensors; see numba_flash.forward for the
+    arguments. Returns the output only (the log-sum-exp is kept for the backward)."""
+    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, backend)
