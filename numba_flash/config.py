@@ -96,3 +96,35 @@ def backward_shared_bytes(config, head_dim):
     tile = max(config.block_m, config.block_n)
     floats = 2 * (config.block_m + config.block_n) * row + 2 * tile * (tile + config.threads_x)
     return 4 * (floats + 2 * config.block_m)
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Tile shape of the tensor-core forward: `warps` warps of 16 query rows each, key tiles
+    of block_n keys."""
+
+    block_n: int
+    warps: int
+
+    @property
+    def block_m(self):
+        return 16 * self.warps
+
+
+# Sized with `ptxas -v` for sm_90 (scripts/ptx_check.py): no spills and at most 48 KiB of static
+# shared memory (d64: 240 registers, 27 KiB; d128: 248 registers, 34 KiB). Not yet timed on a
+# GPU. Head dims that are not multiples of 16, or above 128, have no tensor-core config.
+_MMA_FORWARD = (
+    (64, MmaConfig(block_n=64, warps=4)),
+    (128, MmaConfig(block_n=32, warps=4)),
+)
+
+
+def mma_forward_config(head_dim):
+    """The tensor-core forward's config for head_dim, or None if it has none."""
+    if head_dim % 16:
+        return None
+    for max_head_dim, config in _MMA_FORWARD:
+        if head_dim <= max_head_dim:
+            return config
+    return None

@@ -1,0 +1,256 @@
+"""FlashAttention forward on tensor cores (mma.sync m16n8k16), FA2 work partition, in Numba.
+
+STATUS: runs correctly under the CUDA simulator (tests/test_mma_forward.py) and compiles for
+sm_80/sm_90; not yet run on a GPU, so no backend uses it yet (issue 3).
+
+One block of WARPS warps per (query tile of BLOCK_M = 16·WARPS rows, head, batch); warp w owns
+query rows 16w..16w+15 of the tile. K and V tiles of BLOCK_N keys are shared by the warps.
+  - Q tile: cp.async into shared memory once, then ldmatrix into A fragments kept in registers.
+  - S = Q Kᵀ per warp: mma with B fragments ldmatrix'ed from the K tile (stored [key][d], which
+    is Kᵀ in the column-major layout mma wants for B).
+  - Online softmax on the S accumulators in registers, log2 units (scale·log2(e) folded in), the
+    row max/sum of a row combined over its 4 lanes with shuffles.
+  - P stays in registers: the S accumulator layout of two adjacent 8-key blocks is exactly the
+    A-fragment layout of a 16-key chunk, so P is packed to f16/bf16 and fed to the P·V mma.
+  - V: B fragments with ldmatrix.trans (V is stored [key][d]).
+  - K for the next tile is fetched with cp.async while softmax and P·V run, V for the next tile
+    while the next S runs (separate K and V buffers, commit groups in issue order).
+Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data), so one
+kernel source serves both types; lse is float32.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32
+
+from numba_flash.config import mma_forward_config
+
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
+                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
+                                    pack_bf16x2, pack_f16x2, shfl_xor)
+
+LOG2E = 1.4426950408889634
+LN2 = np.float32(math.log(2.0))
+NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+WARP = 32
+ROW_PAD = 8  # halves of padding per shared row: consecutive rows start 4 banks apart
+
+
+@functools.lru_cache(maxsize=None)
+def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
+    """The plain Python kernel for one (BLOCK_N, warps, head_dim, causal, dtype)."""
+    if head_dim % 16 or block_n % 16:
+        raise ValueError("head_dim and block_n must be multiples of 16")
+    BLOCK_M, BLOCK_N, D = 16 * warps, block_n, head_dim
+    THREADS = WARP * warps
+    NB = BLOCK_N // 8  # 8-key blocks of the S accumulator
+    DB = D // 8  # 8-column blocks of the O accumulator
+    KD = D // 16  # 16-wide chunks of the head dim (k-steps of S = Q Kᵀ)
+    CHUNKS = D // 8  # 16-byte chunks per row
+    Q_SHAPE = (BLOCK_M, D + ROW_PAD)
+    KV_SHAPE = (BLOCK_N, D + ROW_PAD)
+    # Q's A fragments stay in registers for small head dims; for larger ones they are re-read
+    # from shared memory at every key tile (their D/4 registers would push the kernel to spill).
+    Q_IN_REGISTERS = D <= 64
+    Q_FRAG_SHAPE = (KD if Q_IN_REGISTERS else 1, 4)
+    mma = mma_bf16 if bf16 else mma_f16
+    pack = pack_bf16x2 if bf16 else pack_f16x2
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(tile, src, b, row0, h, nrows, rows):
+        """cp.async rows [row0, row0 + rows) of src[b, :, h, :] into tile; zeros past nrows."""
+        for c in range(cuda.threadIdx.x, rows * CHUNKS, THREADS):
+            r = c // CHUNKS
+            col = (c % CHUNKS) * 8
+            valid = row0 + r < nrows
+            cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
+                        16 if valid else 0)
+
+    def flash_forward_mma(q, k, v, out, lse, scale_log2):
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4  # the lane's row within an 8-row group
+        t = lane % 4  # the lane's column pair
+        m0 = cuda.blockIdx.x * BLOCK_M
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+        row_lo = m0 + 16 * warp + g  # this lane's two query rows
+        row_hi = row_lo + 8
+
+        q_tile = cuda.shared.array(Q_SHAPE, uint16, SHARED_ALIGN)
+        k_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
+        v_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
+
+        q_frag = cuda.local.array(Q_FRAG_SHAPE, uint32)
+        s = cuda.local.array((NB, 4), float32)
+        acc = cuda.local.array((DB, 4), float32)
+        for db in range(DB):
+            for r in range(4):
+                acc[db, r] = ZERO
+        m_lo = NEG_INF
+        m_hi = NEG_INF
+        l_lo = ZERO  # this lane's share of the row sums
+        l_hi = ZERO
+
+        n_end = seqlen_k
+        if causal:  # keys at or past m0 + BLOCK_M + offset are in every row's future
+            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+
+        # Load: Q, then the first K and V tiles, as three commit groups.
+        load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
+        cp_async_commit()
+        load_tile(k_tile, k, b, 0, h, seqlen_k, BLOCK_N)
+        cp_async_commit()
+        load_tile(v_tile, v, b, 0, h, seqlen_k, BLOCK_N)
+        cp_async_commit()
+        cp_async_wait(2)
+        cuda.syncthreads()  # why: the Q tile is complete before ldmatrix reads it
+        if Q_IN_REGISTERS:
+            for kd in range(KD):
+                f = ldmatrix_x4(q_tile, 16 * warp + lane % 16, 16 * kd + 8 * (lane // 16))
+                for r in range(4):
+                    q_frag[kd, r] = f[r]
+
+        for n0 in range(0, n_end, BLOCK_N):
+            cp_async_wait(1)  # the K tile of n0 has landed (the V tile may still be in flight)
+            cuda.syncthreads()  # why: every thread's part of the K tile is visible
+
+            # Scores: S = Q Kᵀ, 16 x BLOCK_N per warp, in registers.
+            for nb in range(NB):
+                for r in range(4):
+                    s[nb, r] = ZERO
+            for kd in range(KD):
+                slot = kd if Q_IN_REGISTERS else 0
+                if not Q_IN_REGISTERS:
+                    f = ldmatrix_x4(q_tile, 16 * warp + lane % 16, 16 * kd + 8 * (lane // 16))
+                    for r in range(4):
+                        q_frag[0, r] = f[r]
+                for nb in range(0, NB, 2):  # one ldmatrix.x4 gives B for two 8-key blocks
+                    f = ldmatrix_x4(k_tile, 8 * nb + lane % 8 + 8 * (lane // 16),
+                                    16 * kd + 8 * ((lane // 8) % 2))
+                    for half in range(2):
+                        d = mma(q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2],
+                                q_frag[slot, 3], f[2 * half], f[2 * half + 1], s[nb + half, 0],
+                                s[nb + half, 1], s[nb + half, 2], s[nb + half, 3])
+                        for r in range(4):
+                            s[nb + half, r] = d[r]
+            cuda.syncthreads()  # why: all warps are done reading the K tile before it is reused
+
+            # Load: the next K tile, behind the softmax and P·V of this one.
+            if n0 + BLOCK_N < n_end:
+                load_tile(k_tile, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+            cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
+
+            # Scale and mask: log2 units; -inf past seqlen_k and in each row's future.
+            needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
+            for nb in range(NB):
+                for r in range(4):
+                    s[nb, r] *= scale_log2
+                    if needs_mask:
+                        col = n0 + 8 * nb + 2 * t + r % 2
+                        row = row_hi if r >= 2 else row_lo
+                        if col >= seqlen_k or (causal and col > row + offset):
+                            s[nb, r] = NEG_INF
+
+            # Rescale: row max over the lane's columns, then over the row's 4 lanes.
+            tile_lo = NEG_INF
+            tile_hi = NEG_INF
+            for nb in range(NB):
+                tile_lo = max(tile_lo, max(s[nb, 0], s[nb, 1]))
+                tile_hi = max(tile_hi, max(s[nb, 2], s[nb, 3]))
+            for mask in (1, 2):
+                tile_lo = max(tile_lo, shfl_xor(tile_lo, mask))
+                tile_hi = max(tile_hi, shfl_xor(tile_hi, mask))
+            new_lo = max(m_lo, tile_lo)
+            new_hi = max(m_hi, tile_hi)
+            ref_lo = new_lo if new_lo != NEG_INF else ZERO  # a row that has seen no key yet
+            ref_hi = new_hi if new_hi != NEG_INF else ZERO
+            alpha_lo = math.exp2(m_lo - ref_lo)
+            alpha_hi = math.exp2(m_hi - ref_hi)
+            m_lo = new_lo
+            m_hi = new_hi
+            for db in range(DB):
+                acc[db, 0] *= alpha_lo
+                acc[db, 1] *= alpha_lo
+                acc[db, 2] *= alpha_hi
+                acc[db, 3] *= alpha_hi
+            sum_lo = ZERO
+            sum_hi = ZERO
+            for nb in range(NB):
+                s[nb, 0] = math.exp2(s[nb, 0] - ref_lo)
+                s[nb, 1] = math.exp2(s[nb, 1] - ref_lo)
+                s[nb, 2] = math.exp2(s[nb, 2] - ref_hi)
+                s[nb, 3] = math.exp2(s[nb, 3] - ref_hi)
+                sum_lo += s[nb, 0] + s[nb, 1]
+                sum_hi += s[nb, 2] + s[nb, 3]
+            l_lo = l_lo * alpha_lo + sum_lo
+            l_hi = l_hi * alpha_hi + sum_hi
+
+            cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
+            cuda.syncthreads()  # why: every thread's part of the V tile is visible
+
+            # Accumulate: O += P V, with P packed from the S registers into A fragments.
+            for kc in range(NB // 2):
+                a0 = pack(s[2 * kc, 0], s[2 * kc, 1])
+                a1 = pack(s[2 * kc, 2], s[2 * kc, 3])
+                a2 = pack(s[2 * kc + 1, 0], s[2 * kc + 1, 1])
+                a3 = pack(s[2 * kc + 1, 2], s[2 * kc + 1, 3])
+                for db in range(0, DB, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
+                    f = ldmatrix_x4_trans(v_tile, 16 * kc + lane % 16, 8 * db + 8 * (lane // 16))
+                    for half in range(2):
+                        d = mma(a0, a1, a2, a3, f[2 * half], f[2 * half + 1],
+                                acc[db + half, 0], acc[db + half, 1], acc[db + half, 2],
+                                acc[db + half, 3])
+                        for r in range(4):
+                            acc[db + half, r] = d[r]
+            cuda.syncthreads()  # why: all warps are done reading the V tile before it is reused
+
+            # Load: the next V tile, behind the next S = Q Kᵀ.
+            if n0 + BLOCK_N < n_end:
+                load_tile(v_tile, v, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+            cp_async_commit()
+        cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
+
+        # Epilogue: row sums over the 4 lanes; out = acc / l; lse = m + log(l).
+        for mask in (1, 2):
+            l_lo += shfl_xor(l_lo, mask)
+            l_hi += shfl_xor(l_hi, mask)
+        for half in range(2):
+            row = row_hi if half else row_lo
+            l_row = l_hi if half else l_lo
+            m_row = m_hi if half else m_lo
+            if row < seqlen_q:
+                no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
+                inv_l = ZERO if no_key else ONE / l_row
+                for db in range(DB):
+                    word = pack(acc[db, 2 * half] * inv_l, acc[db, 2 * half + 1] * inv_l)
+                    out[b, row, h, 8 * db + 2 * t] = uint16(word & 0xFFFF)
+                    out[b, row, h, 8 * db + 2 * t + 1] = uint16(word >> 16)
+                if t == 0:
+                    lse[b, h, row] = NEG_INF if no_key else (m_row + math.log2(l_row)) * LN2
+
+    return flash_forward_mma
+
+
+@functools.lru_cache(maxsize=None)
+def mma_forward_kernel(block_n, warps, head_dim, causal, bf16):
+    return cuda.jit(mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16))
+
+
+def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0, config=None):
+    """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
+    contiguous and rows 16-byte aligned; lse: float32 (batch, nheads, seqlen_q).
+    `config` overrides numba_flash.config.mma_forward_config (tests, tuning)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    config = config or mma_forward_config(head_dim)
+    kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16)
+    grid = (-(-seqlen_q // config.block_m), nheads, batch)
+    kernel[grid, WARP * config.warps, stream](q, k, v, out, lse,
+                                              np.float32(softmax_scale * LOG2E))
