@@ -1,25 +1,62 @@
-"""Compile every Numba kernel to PTX for given GPU architectures, without needing a GPU.
+"""Compile every Numba kernel to PTX (and, with ptxas, to machine code) without a GPU.
 
 Uses libNVVM from pip (numba-cuda[cu13]). For each kernel it reports whether the PTX declares
-local memory (`__local_depot`: a register array that spilled to memory) and counts the key
-instructions. Prints one JSON object per kernel; exits 1 if any kernel uses local memory.
+local memory (`__local_depot`: a register array placed in memory), counts the key instructions,
+and, when a ptxas of the same CUDA release is installed (the `test` extra brings it), the
+registers, spill bytes and static shared memory from `ptxas -v`. Prints one JSON object per
+kernel; exits 1 if any kernel uses local memory, spills, or needs over 48 KiB of static shared
+memory.
 
     python scripts/ptx_check.py --cc 80 90
 """
 import argparse
+import glob
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simulator
 
 from numba import cuda  # noqa: E402
 
+from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noqa: E402
 from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
-from numba_flash.config import simt_backward_config, simt_forward_config  # noqa: E402
+from numba_flash.config import (SHARED_MEMORY_BYTES, mma_forward_config,  # noqa: E402
+                                simt_backward_config, simt_forward_config)
 
-COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync")
+COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
+           "mma.sync", "ldmatrix", "cp.async.cg")
+
+
+def find_ptxas():
+    """ptxas from the pip CUDA packages (matching libNVVM), else one on PATH, else None."""
+    import nvidia
+    for root in nvidia.__path__:
+        for path in sorted(glob.glob(os.path.join(root, "cu*", "bin", "ptxas"))):
+            return path
+    return shutil.which("ptxas")
+
+
+def ptxas_report(ptxas, ptx, cc):
+    """{'registers', 'spill_bytes', 'shared_bytes'} from `ptxas -v`, or {'ptxas_error'}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, f"-arch=sm_{cc}", "-v", source, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
+    if run.returncode:
+        return {"ptxas_error": run.stderr.strip().splitlines()[-1][:200]}
+    text = run.stderr
+    number = lambda pattern: sum(int(x) for x in re.findall(pattern, text))  # noqa: E731
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_bytes": number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
+            "shared_bytes": number(r"(\d+) bytes smem")}
 
 
 def kernel_cases(head_dims, dtypes):
@@ -42,6 +79,21 @@ def kernel_cases(head_dims, dtypes):
                        f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)")
 
 
+def mma_kernel_cases(head_dims):
+    """The tensor-core forward for every head dim that has an mma config."""
+    u4 = "uint16[:, :, :, :]"
+    for head_dim in head_dims:
+        config = mma_forward_config(head_dim)
+        if config is None:
+            continue
+        for causal in (False, True):
+            for bf16 in (False, True):
+                tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
+                fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
+                                                 bf16)
+                yield f"mma_forward_{tag}", fn, f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", nargs="+", type=int, default=[80, 90],
@@ -50,19 +102,27 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float16", "float32"])
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
-    spilled = 0
+    ptxas = find_ptxas()
+    failed = 0
     for cc in args.cc:
-        for name, function, signature in kernel_cases(args.head_dims, args.dtypes):
+        cases = list(kernel_cases(args.head_dims, args.dtypes)) + list(
+            mma_kernel_cases(args.head_dims))
+        for name, function, signature in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
             report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx}
             report.update({op: ptx.count(op) for op in COUNTED})
-            spilled += report["local_memory"]
+            if ptxas:
+                report.update(ptxas_report(ptxas, ptx, cc))
+            failed += report["local_memory"] or report.get("spill_bytes", 0) > 0 or \
+                report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES
             print(json.dumps(report), flush=True)
             if args.save:
                 os.makedirs(args.save, exist_ok=True)
                 with open(os.path.join(args.save, f"{name}_sm{cc}.ptx"), "w") as f:
                     f.write(ptx)
-    return 1 if spilled else 0
+    if not ptxas:
+        print("no ptxas found: registers and spills not checked", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
