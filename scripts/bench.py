@@ -57,6 +57,10 @@ class Timer:
 
 def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype):
     """{name: fn(i) running one call on input set i}, for every implementation that applies."""
+    from numba import cuda
+
+    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
+    from numba_flash.config import mma_forward_config
     runners = {}
     for name in ("numba", "cupy"):
         def run(i, name=name):
@@ -65,6 +69,17 @@ def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype):
             if passes == "fwdbwd":
                 numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=name)
         runners[name] = run
+    if dtype == "float16" and passes == "fwd" and mma_forward_config(inputs[0][0].shape[3]):
+        def run_mma(i):  # the tensor-core forward, not yet registered as a backend
+            q, k, v, _ = inputs[i]
+            out = cp.empty_like(q).view(cp.uint16)
+            lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), cp.float32)
+            views = [cuda.as_cuda_array(x, sync=False) for x in
+                     (q.view(cp.uint16), k.view(cp.uint16), v.view(cp.uint16), out, lse)]
+            handle = cp.cuda.get_current_stream().ptr
+            launch_mma_forward(*views, causal, q.shape[3] ** -0.5, False,
+                               cuda.external_stream(handle) if handle else 0)
+        runners["numba-mma"] = run_mma
     if torch is None:
         return runners
     from torch.nn.attention import SDPBackend, sdpa_kernel
