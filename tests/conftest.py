@@ -35,3 +35,12 @@ def rng():
     seed = np.random.SeedSequence().entropy
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make the numba backend allocate NaN-filled outputs, so an unwritten element shows."""
+    import numba_flash
+    backend = numba_flash.get_backend("numba")
+    monkeypatch.setattr(type(backend), "_new",
+                        lambda self, ref, shape, dtype: np.full(shape, np.nan, dtype))

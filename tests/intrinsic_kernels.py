@@ -8,27 +8,23 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, 
                                     pack_f16x2, shfl_xor, unpack_bf16x2, unpack_f16x2)
 
 
-def mma_f16_kernel(a_frags, b_frags, c_frags, d_frags):
-    """d = A B + C for one 16x8x16 product per warp; *_frags[warp, lane, :] are fragments."""
-    tid = cuda.threadIdx.x
-    w, lane = tid // 32, tid % 32
-    d = mma_f16(a_frags[w, lane, 0], a_frags[w, lane, 1], a_frags[w, lane, 2],
+def _make_mma_kernel(mma, name):
+    def mma_kernel(a_frags, b_frags, c_frags, d_frags):
+        """d = A B + C for one 16x8x16 product per warp; *_frags[warp, lane, :] are fragments."""
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        d = mma(a_frags[w, lane, 0], a_frags[w, lane, 1], a_frags[w, lane, 2],
                 a_frags[w, lane, 3], b_frags[w, lane, 0], b_frags[w, lane, 1],
                 c_frags[w, lane, 0], c_frags[w, lane, 1], c_frags[w, lane, 2],
                 c_frags[w, lane, 3])
-    for i in range(4):
-        d_frags[w, lane, i] = d[i]
+        for i in range(4):
+            d_frags[w, lane, i] = d[i]
+    mma_kernel.__name__ = mma_kernel.__qualname__ = name
+    return mma_kernel
 
 
-def mma_bf16_kernel(a_frags, b_frags, c_frags, d_frags):
-    tid = cuda.threadIdx.x
-    w, lane = tid // 32, tid % 32
-    d = mma_bf16(a_frags[w, lane, 0], a_frags[w, lane, 1], a_frags[w, lane, 2],
-                 a_frags[w, lane, 3], b_frags[w, lane, 0], b_frags[w, lane, 1],
-                 c_frags[w, lane, 0], c_frags[w, lane, 1], c_frags[w, lane, 2],
-                 c_frags[w, lane, 3])
-    for i in range(4):
-        d_frags[w, lane, i] = d[i]
+mma_f16_kernel = _make_mma_kernel(mma_f16, "mma_f16_kernel")
+mma_bf16_kernel = _make_mma_kernel(mma_bf16, "mma_bf16_kernel")
 
 
 def ldmatrix_kernel(matrix, regs, regs_trans):
