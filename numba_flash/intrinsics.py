@@ -244,9 +244,17 @@ def _make_ldmatrix(transpose):
     return ldmatrix
 
 
+def _check_aligned(array, *index):
+    """The hardware needs 16-byte aligned addresses here; the simulator would not notice."""
+    address = array.ctypes.data + sum(i * s for i, s in zip(index, array.strides))
+    if address % 16:
+        raise ValueError(f"address of element {index} is not 16-byte aligned")
+
+
 def _ldmatrix_python(transpose):
     def ldmatrix(array, row, col):
         """Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l // 8."""
+        _check_aligned(array, row, col)
         own_row = np.ascontiguousarray(array[row, col:col + 8]).view(np.uint16).copy()
         rows = _sim_warp.warp_exchange(own_row)
         lane = _sim_warp.lane_id()
@@ -291,11 +299,14 @@ def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
 
 
 def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
-    count = 16 // dst.itemsize
-    if src_bytes:
-        dst[drow, dcol:dcol + count] = src[b, n, h, d:d + count]
-    else:
-        dst[drow, dcol:dcol + count] = 0
+    """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does."""
+    _check_aligned(dst, drow, dcol)
+    _check_aligned(src, b, n, h, d)
+    if not 0 <= src_bytes <= 16:
+        raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
+    count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize
+    dst[drow, dcol:dcol + copied] = src[b, n, h, d:d + copied]
+    dst[drow, dcol + copied:dcol + count] = 0
 
 
 @intrinsic

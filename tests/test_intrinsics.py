@@ -163,3 +163,16 @@ def test_intrinsics_compile_to_the_intended_ptx():
     for name, cc, missing, local in results:
         assert not missing, f"{name} sm_{cc[0]}{cc[1]}: PTX lacks {missing}"
         assert not local, f"{name} sm_{cc[0]}{cc[1]}: uses local memory"
+
+
+def test_twins_refuse_misaligned_addresses():
+    """The hardware requires 16-byte alignment for ldmatrix and cp.async; so do the twins."""
+    from numba_flash import intrinsics
+    tile = np.zeros((16, 16), np.float16)
+    src = np.zeros((1, 16, 1, 16), np.float16)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        intrinsics._cp_async_16_python(tile, 0, 4, src, 0, 0, 0, 0, 16)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        intrinsics._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 3, 16)
+    intrinsics._cp_async_16_python(tile, 0, 8, src + 1, 0, 0, 0, 8, 6)  # 3 halves, then zeros
+    assert np.array_equal(tile[0, 8:16], [1, 1, 1, 0, 0, 0, 0, 0])
