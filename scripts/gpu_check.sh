@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU check of the project, for the GPU machine (device tool): logs and JSON go to $OUT.
+#   bash scripts/gpu_check.sh tests    # pytest -m gpu (intrinsics and tensor-core kernel first)
+#   bash scripts/gpu_check.sh verify   # scripts/verify.py
+#   bash scripts/gpu_check.sh bench    # scripts/bench.py, forward, fp32 + fp16, d64 + d128
+# Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
+# numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt"
+git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
+status=0
+for stage in "$@"; do
+    case "$stage" in
+        tests)
+            timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider \
+                tests/test_intrinsics.py tests/test_mma_forward.py tests/test_gpu.py \
+                tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
+        verify)
+            timeout 560 python3 scripts/verify.py 2>&1 | tee "$OUT/verify.log" \
+                | grep -E "FAIL|N65536|passed" || status=1 ;;
+        bench)
+            timeout 560 python3 scripts/bench.py --dtypes float32 float16 --head-dims 64 128 \
+                --seqlens 1024 4096 16384 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+                2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
+        *) echo "unknown stage $stage (tests, verify, bench)"; exit 2 ;;
+    esac
+done
+exit $status
