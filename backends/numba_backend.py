@@ -83,6 +83,8 @@ class NumbaBackend(Backend):
         return cuda.gpus[_arrays.device_id(ref)]
 
     def _new(self, ref, shape, dtype):
+        """A new output array like ref's (C-contiguous, so _prepare hands the kernels the array
+        itself)."""
         if simulator_enabled():
             return np.empty(shape, dtype)
         return _arrays.empty_like_kind(ref, shape, dtype)
@@ -96,7 +98,7 @@ class NumbaBackend(Backend):
             stream, (qv, kv, vv, outv, lsev) = self._prepare(q, [q, k, v, out, lse])
             with self._quiet_launch():
                 launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
-        return outv if simulator_enabled() else out, lsev if simulator_enabled() else lse
+        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
         from .numba_simt_bwd import launch_backward
@@ -108,4 +110,4 @@ class NumbaBackend(Backend):
             stream, views = self._prepare(q, [dout, q, k, v, out, lse, delta] + grads)
             with self._quiet_launch():
                 launch_backward(*views, causal, softmax_scale, stream)
-        return tuple(views[7:]) if simulator_enabled() else tuple(grads)
+        return tuple(grads)
