@@ -26,17 +26,17 @@ from numba import cuda, float32, uint16, uint32
 
 from numba_flash.config import mma_forward_config
 
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
-                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
-                                    pack_bf16x2, pack_f16x2, shfl_xor)
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
+                                    ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
+                                    pack_f16x2, shfl_xor)
+
+from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
 
 LOG2E = 1.4426950408889634
 LN2 = np.float32(math.log(2.0))
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
-WARP = 32
-ROW_PAD = 8  # halves of padding per shared row: consecutive rows start 4 banks apart
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +49,6 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
     NB = BLOCK_N // 8  # 8-key blocks of the S accumulator
     DB = D // 8  # 8-column blocks of the O accumulator
     KD = D // 16  # 16-wide chunks of the head dim (k-steps of S = Q Kᵀ)
-    CHUNKS = D // 8  # 16-byte chunks per row
     Q_SHAPE = (BLOCK_M, D + ROW_PAD)
     KV_SHAPE = (BLOCK_N, D + ROW_PAD)
     # Q's A fragments stay in registers for small head dims; for larger ones they are re-read
@@ -59,15 +58,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
     mma = mma_bf16 if bf16 else mma_f16
     pack = pack_bf16x2 if bf16 else pack_f16x2
 
-    @cuda.jit(device=True, inline="always")
-    def load_tile(tile, src, b, row0, h, nrows, rows):
-        """cp.async rows [row0, row0 + rows) of src[b, :, h, :] into tile; zeros past nrows."""
-        for c in range(cuda.threadIdx.x, rows * CHUNKS, THREADS):
-            r = c // CHUNKS
-            col = (c % CHUNKS) * 8
-            valid = row0 + r < nrows
-            cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
-                        16 if valid else 0)
+    load_tile = make_cp_async_loader(D, THREADS)
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2):
         tid = cuda.threadIdx.x

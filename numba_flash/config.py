@@ -128,3 +128,31 @@ def mma_forward_config(head_dim):
         if head_dim <= max_head_dim:
             return config
     return None
+
+
+@dataclass(frozen=True)
+class MmaBackwardConfig:
+    """Tile shape of the tensor-core backward: `warps` warps of 16 rows (keys in dk/dv,
+    queries in dq); dk/dv loops over query tiles of block_m, dq over key tiles of block_n."""
+
+    block_m: int
+    block_n: int
+    warps: int
+
+
+# Sized with `ptxas -v` for sm_90: no spills, at most 48 KiB of static shared memory (d64: dk/dv
+# 230 registers, 27 KiB; dq 222, 36 KiB. d128: dk/dv 251, 43 KiB; dq 212, 43 KiB). Not yet timed.
+_MMA_BACKWARD = (
+    (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4)),
+    (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
+)
+
+
+def mma_backward_config(head_dim):
+    """The tensor-core backward's config for head_dim, or None if it has none."""
+    if head_dim % 16:
+        return None
+    for max_head_dim, config in _MMA_BACKWARD:
+        if head_dim <= max_head_dim:
+            return config
+    return None

@@ -23,10 +23,13 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simul
 
 from numba import cuda  # noqa: E402
 
+from numba_flash.backends.numba_mma_bwd import (mma_dk_dv_kernel_function,  # noqa: E402
+                                                 mma_dq_kernel_function)
 from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noqa: E402
 from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
-from numba_flash.config import (SHARED_MEMORY_BYTES, mma_forward_config,  # noqa: E402
+from numba_flash.config import (SHARED_MEMORY_BYTES, mma_backward_config,  # noqa: E402
+                                mma_forward_config,
                                 simt_backward_config, simt_forward_config)
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
@@ -51,7 +54,9 @@ def ptxas_report(ptxas, ptx, cc):
         run = subprocess.run([ptxas, f"-arch=sm_{cc}", "-v", source, "-o",
                               os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
     if run.returncode:
-        return {"ptxas_error": run.stderr.strip().splitlines()[-1][:200]}
+        lines = run.stderr.strip().splitlines()
+        errors = [line for line in lines if "error" in line.lower()] or lines[-1:]
+        return {"ptxas_error": errors[0][:200]}
     text = run.stderr
     number = lambda pattern: sum(int(x) for x in re.findall(pattern, text))  # noqa: E731
     return {"registers": number(r"Used (\d+) registers"),
@@ -80,7 +85,7 @@ def kernel_cases(head_dims, dtypes):
 
 
 def mma_kernel_cases(head_dims):
-    """The tensor-core forward for every head dim that has an mma config."""
+    """The tensor-core kernels for every head dim that has an mma config."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
         config = mma_forward_config(head_dim)
@@ -92,6 +97,14 @@ def mma_kernel_cases(head_dims):
                 fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
                                                  bf16)
                 yield f"mma_forward_{tag}", fn, f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)"
+                bwd = mma_backward_config(head_dim)
+                f3 = "float32[:, :, :]"
+                yield (f"mma_bwd_dk_dv_{tag}",
+                       mma_dk_dv_kernel_function(bwd.block_m, bwd.warps, head_dim, causal, bf16),
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)")
+                yield (f"mma_bwd_dq_{tag}",
+                       mma_dq_kernel_function(bwd.block_n, bwd.warps, head_dim, causal, bf16),
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)")
 
 
 def main(argv=None):

@@ -37,7 +37,8 @@ def test_every_kernel_compiled(reports):
                     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
                         assert (f"{kind}_d{head_dim}_{causal}_{dtype}", cc) in seen
                 for dtype in ("f16", "bf16"):
-                    assert (f"mma_forward_d{head_dim}_{causal}_{dtype}", cc) in seen
+                    for kind in ("mma_forward", "mma_bwd_dk_dv", "mma_bwd_dq"):
+                        assert (f"{kind}_d{head_dim}_{causal}_{dtype}", cc) in seen
     for head_dim in (32, 256):
         assert (f"forward_d{head_dim}_causal_float32", 90) in seen
 

@@ -1,0 +1,264 @@
+"""FlashAttention backward on tensor cores (mma.sync m16n8k16), deterministic, in Numba.
+
+STATUS: runs correctly under the CUDA simulator (tests/test_mma_backward.py) and compiles for
+sm_80/sm_90; not yet run on a GPU, so no backend uses it yet (issue 3).
+
+Same math and the same three launches as the SIMT backward (backends/numba_simt_bwd.py), with
+P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse, and no atomics:
+  1. `delta`: D_i = rowsum(dO_i ∘ O_i), one thread per row.
+  2. `dk_dv`: one block per key tile, warp w owning 16 keys. For each query tile that can see
+     the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (tensor cores, B fragments by ldmatrix), Pᵀ and
+     dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ / dSᵀ packed
+     straight into A fragments (dO and Q read with ldmatrix.trans).
+  3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
+     dS = P ∘ (dP − D), dQ += dS K.
+Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data).
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32
+
+from numba_flash.config import mma_backward_config
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait,
+                                    unpack_bf16x2, unpack_f16x2)
+
+from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
+                              make_warp_scores, make_warp_store)
+
+LOG2E = np.float32(1.4426950408889634)
+POS_INF = np.float32(np.inf)
+NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+DELTA_THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def mma_delta_kernel_function(head_dim, bf16):
+    unpack = unpack_bf16x2 if bf16 else unpack_f16x2
+
+    def flash_bwd_delta_16bit(dout, out, delta):
+        """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] from 16-bit patterns."""
+        row = cuda.blockIdx.x * DELTA_THREADS + cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        if row < out.shape[1]:
+            total = ZERO
+            for d in range(0, head_dim, 2):
+                do0, do1 = unpack(uint32(dout[b, row, h, d]) | (uint32(dout[b, row, h, d + 1])
+                                                                << 16))
+                o0, o1 = unpack(uint32(out[b, row, h, d]) | (uint32(out[b, row, h, d + 1]) << 16))
+                total += do0 * o0 + do1 * o1
+            delta[b, h, row] = total
+
+    return flash_bwd_delta_16bit
+
+
+def _lse_log2(value):
+    """lse in log2 units; a row that saw no key (lse = -inf) gets +inf so that P = 0."""
+    return value * LOG2E if value != NEG_INF else POS_INF
+
+
+@functools.lru_cache(maxsize=None)
+def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
+    BLOCK_N, BLOCK_M, D = 16 * warps, block_m, head_dim
+    THREADS = WARP * warps
+    NQ = BLOCK_M // 8  # 8-query blocks of Sᵀ
+    DB = D // 8
+    KEY_SHAPE = (BLOCK_N, D + ROW_PAD)
+    QUERY_SHAPE = (BLOCK_M, D + ROW_PAD)
+    load_tile = make_cp_async_loader(D, THREADS)
+    scores = make_warp_scores(bf16, NQ, D // 16)
+    accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
+    store = make_warp_store(bf16, DB)
+    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+
+    def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        t = lane % 4
+        n0 = cuda.blockIdx.x * BLOCK_N
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+        key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
+
+        k_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
+        v_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
+        q_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
+        do_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
+        lse_tile = cuda.shared.array(BLOCK_M, float32)
+        delta_tile = cuda.shared.array(BLOCK_M, float32)
+
+        s = cuda.local.array((NQ, 4), float32)  # Sᵀ, then Pᵀ
+        dp = cuda.local.array((NQ, 4), float32)  # dPᵀ, then dSᵀ
+        dk_acc = cuda.local.array((DB, 4), float32)
+        dv_acc = cuda.local.array((DB, 4), float32)
+        for db in range(DB):
+            for r in range(4):
+                dk_acc[db, r] = ZERO
+                dv_acc[db, r] = ZERO
+
+        # Load: K and V of this key tile, once.
+        load_tile(k_tile, k, b, n0, h, seqlen_k, BLOCK_N)
+        load_tile(v_tile, v, b, n0, h, seqlen_k, BLOCK_N)
+        cp_async_commit()
+
+        m_begin = 0
+        if causal:  # queries before n0 - offset cannot see any key of this tile
+            m_begin = max(0, n0 - offset) // BLOCK_M * BLOCK_M
+        for m0 in range(m_begin, seqlen_q, BLOCK_M):
+            # Load: Q, dO (cp.async), lse and D for this query tile.
+            load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
+            load_tile(do_tile, dout, b, m0, h, seqlen_q, BLOCK_M)
+            cp_async_commit()
+            for r in range(tid, BLOCK_M, THREADS):
+                in_range = m0 + r < seqlen_q
+                lse_tile[r] = lse_log2(lse[b, h, m0 + r]) if in_range else POS_INF
+                delta_tile[r] = delta[b, h, m0 + r] if in_range else ZERO
+            cp_async_wait(0)
+            cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
+
+            # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
+            scores(s, k_tile, 16 * warp, q_tile, 0)
+            scores(dp, v_tile, 16 * warp, do_tile, 0)
+            needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
+            for nq in range(NQ):
+                for r in range(4):
+                    c = 8 * nq + 2 * t + r % 2  # the query within the tile
+                    p = math.exp2(s[nq, r] * scale_log2 - lse_tile[c])
+                    if needs_mask and key_lo + 8 * (r // 2) > m0 + c + offset:
+                        p = ZERO
+                    s[nq, r] = p
+                    dp[nq, r] = p * (dp[nq, r] - delta_tile[c])
+
+            # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
+            accumulate(dv_acc, s, do_tile, 0)
+            accumulate(dk_acc, dp, q_tile, 0)
+            cuda.syncthreads()  # why: all warps are done with Q, dO before the next tile lands
+
+        # Epilogue: one write of dK and dV.
+        store(dk, dk_acc, b, key_lo, h, seqlen_k, softmax_scale, softmax_scale)
+        store(dv, dv_acc, b, key_lo, h, seqlen_k, ONE, ONE)
+
+    return flash_bwd_dk_dv_mma
+
+
+@functools.lru_cache(maxsize=None)
+def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
+    BLOCK_M, BLOCK_N, D = 16 * warps, block_n, head_dim
+    THREADS = WARP * warps
+    NB = BLOCK_N // 8
+    DB = D // 8
+    QUERY_SHAPE = (BLOCK_M, D + ROW_PAD)
+    KEY_SHAPE = (BLOCK_N, D + ROW_PAD)
+    load_tile = make_cp_async_loader(D, THREADS)
+    scores = make_warp_scores(bf16, NB, D // 16)
+    accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
+    store = make_warp_store(bf16, DB)
+    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+
+    def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        g = lane // 4
+        t = lane % 4
+        m0 = cuda.blockIdx.x * BLOCK_M
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        offset = seqlen_k - seqlen_q
+        row_lo = m0 + 16 * warp + g
+        row_hi = row_lo + 8
+        lse_lo = lse_log2(lse[b, h, row_lo]) if row_lo < seqlen_q else POS_INF
+        lse_hi = lse_log2(lse[b, h, row_hi]) if row_hi < seqlen_q else POS_INF
+        delta_lo = delta[b, h, row_lo] if row_lo < seqlen_q else ZERO
+        delta_hi = delta[b, h, row_hi] if row_hi < seqlen_q else ZERO
+
+        q_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
+        do_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
+        k_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
+        v_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
+
+        s = cuda.local.array((NB, 4), float32)  # S, then P
+        dp = cuda.local.array((NB, 4), float32)  # dP, then dS
+        dq_acc = cuda.local.array((DB, 4), float32)
+        for db in range(DB):
+            for r in range(4):
+                dq_acc[db, r] = ZERO
+
+        # Load: Q and dO of this query tile, once.
+        load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(do_tile, dout, b, m0, h, seqlen_q, BLOCK_M)
+        cp_async_commit()
+
+        n_end = seqlen_k
+        if causal:
+            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        for n0 in range(0, n_end, BLOCK_N):
+            # Load: K, V tiles.
+            load_tile(k_tile, k, b, n0, h, seqlen_k, BLOCK_N)
+            load_tile(v_tile, v, b, n0, h, seqlen_k, BLOCK_N)
+            cp_async_commit()
+            cp_async_wait(0)
+            cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
+
+            # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
+            scores(s, q_tile, 16 * warp, k_tile, 0)
+            scores(dp, do_tile, 16 * warp, v_tile, 0)
+            needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
+            for nb in range(NB):
+                for r in range(4):
+                    hi = r >= 2
+                    col = n0 + 8 * nb + 2 * t + r % 2
+                    p = math.exp2(s[nb, r] * scale_log2 - (lse_hi if hi else lse_lo))
+                    if needs_mask and (col >= seqlen_k or
+                                       (causal and col > (row_hi if hi else row_lo) + offset)):
+                        p = ZERO
+                    s[nb, r] = p
+                    dp[nb, r] = p * (dp[nb, r] - (delta_hi if hi else delta_lo))
+
+            # Accumulate: dQ += dS K (scaled at the end).
+            accumulate(dq_acc, dp, k_tile, 0)
+            cuda.syncthreads()  # why: all warps are done with K before the next tile lands
+
+        # Epilogue: one write of dQ.
+        store(dq, dq_acc, b, row_lo, h, seqlen_q, softmax_scale, softmax_scale)
+
+    return flash_bwd_dq_mma
+
+
+@functools.lru_cache(maxsize=None)
+def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16):
+    return (cuda.jit(mma_delta_kernel_function(head_dim, bf16)),
+            cuda.jit(mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16)),
+            cuda.jit(mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16)))
+
+
+def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,
+                        bf16, stream=0, config=None):
+    """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
+    16-byte aligned rows; lse, delta (scratch): float32 (batch, nheads, seqlen_q).
+    `config` overrides numba_flash.config.mma_backward_config (tests, tuning)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    config = config or mma_backward_config(head_dim)
+    delta_kernel, dk_dv_kernel, dq_kernel = mma_backward_kernels(
+        config.block_m, config.block_n, config.warps, head_dim, causal, bf16)
+    scale = np.float32(softmax_scale)
+    scale_log2 = np.float32(softmax_scale * float(LOG2E))
+    rows, threads = 16 * config.warps, WARP * config.warps
+    delta_kernel[(-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream](
+        dout, out, delta)
+    dk_dv_kernel[(-(-seqlen_k // rows), nheads, batch), threads, stream](
+        q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+    dq_kernel[(-(-seqlen_q // rows), nheads, batch), threads, stream](
+        q, k, v, dout, lse, delta, dq, scale_log2, scale)

@@ -1,0 +1,114 @@
+"""Pieces shared by the tensor-core kernels: tile shapes and cp.async tile loads.
+
+Tiles are 16-bit patterns (uint16) in shared memory, rows of head_dim halves padded by ROW_PAD
+halves (16 bytes) so that the 8 row addresses of an ldmatrix start 4 banks apart.
+"""
+import functools
+
+from numba import cuda, float32, uint16
+
+from numba_flash.intrinsics import cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
+
+WARP = 32
+ROW_PAD = 8
+
+
+@functools.lru_cache(maxsize=None)
+def make_cp_async_loader(head_dim, threads):
+    """load_tile(tile, src, b, row0, h, nrows, rows): cp.async rows [row0, row0 + rows) of
+    src[b, :, h, :] into tile, 16 bytes per copy; rows at or past nrows are zero-filled."""
+    chunks = head_dim // 8
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(tile, src, b, row0, h, nrows, rows):
+        for c in range(cuda.threadIdx.x, rows * chunks, threads):
+            r = c // chunks
+            col = (c % chunks) * 8
+            valid = row0 + r < nrows
+            cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
+                        16 if valid else 0)
+
+    return load_tile
+
+
+def _mma_and_pack(bf16):
+    from numba_flash.intrinsics import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2
+    return (mma_bf16, pack_bf16x2) if bf16 else (mma_f16, pack_f16x2)
+
+
+@functools.lru_cache(maxsize=None)
+def make_warp_scores(bf16, nb_count, kd_count):
+    """scores(acc, a_tile, a_row0, b_tile, b_row0): for the warp's 16 rows,
+    acc[nb, :] = A Bᵀ with A = a_tile[a_row0:+16, :16*kd_count] and B the rows
+    b_tile[b_row0 + 8*nb:+8, same columns] (B stored row = n, as K for S = Q Kᵀ)."""
+    mma, _ = _mma_and_pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def scores(acc, a_tile, a_row0, b_tile, b_row0):
+        lane = cuda.threadIdx.x % WARP
+        for nb in range(nb_count):
+            for r in range(4):
+                acc[nb, r] = float32(0.0)
+        for kd in range(kd_count):
+            a = ldmatrix_x4(a_tile, a_row0 + lane % 16, 16 * kd + 8 * (lane // 16))
+            for nb in range(0, nb_count, 2):  # one ldmatrix.x4 gives B for two 8-row blocks
+                f = ldmatrix_x4(b_tile, b_row0 + 8 * nb + lane % 8 + 8 * (lane // 16),
+                                16 * kd + 8 * ((lane // 8) % 2))
+                for half in range(2):
+                    d = mma(a[0], a[1], a[2], a[3], f[2 * half], f[2 * half + 1],
+                            acc[nb + half, 0], acc[nb + half, 1], acc[nb + half, 2],
+                            acc[nb + half, 3])
+                    for r in range(4):
+                        acc[nb + half, r] = d[r]
+
+    return scores
+
+
+@functools.lru_cache(maxsize=None)
+def make_warp_accumulate(bf16, kc_count, db_count):
+    """accumulate(acc, p, b_tile, k_row0): acc[db, :] += P B for P the warp's 16 x 16*kc_count
+    register tile p[nb, :] (an accumulator of `scores`, packed here to 16 bits; the layout of
+    two 8-column blocks is the A-fragment layout of a 16-wide chunk) and B =
+    b_tile[k_row0:+16*kc_count, 8*db:+8] (B stored row = k, as V for O = P V)."""
+    mma, pack = _mma_and_pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate(acc, p, b_tile, k_row0):
+        lane = cuda.threadIdx.x % WARP
+        for kc in range(kc_count):
+            a0 = pack(p[2 * kc, 0], p[2 * kc, 1])
+            a1 = pack(p[2 * kc, 2], p[2 * kc, 3])
+            a2 = pack(p[2 * kc + 1, 0], p[2 * kc + 1, 1])
+            a3 = pack(p[2 * kc + 1, 2], p[2 * kc + 1, 3])
+            for db in range(0, db_count, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
+                f = ldmatrix_x4_trans(b_tile, k_row0 + 16 * kc + lane % 16,
+                                      8 * db + 8 * (lane // 16))
+                for half in range(2):
+                    d = mma(a0, a1, a2, a3, f[2 * half], f[2 * half + 1], acc[db + half, 0],
+                            acc[db + half, 1], acc[db + half, 2], acc[db + half, 3])
+                    for r in range(4):
+                        acc[db + half, r] = d[r]
+
+    return accumulate
+
+
+@functools.lru_cache(maxsize=None)
+def make_warp_store(bf16, db_count):
+    """store(dst, acc, b, row_lo, h, nrows, scale_lo, scale_hi): the lane's parts of rows
+    row_lo and row_lo + 8 of dst[b, :, h, :] (16-bit) from an accumulator, times the row's
+    scale; rows at or past nrows are not written."""
+    _, pack = _mma_and_pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def store(dst, acc, b, row_lo, h, nrows, scale_lo, scale_hi):
+        t = cuda.threadIdx.x % 4
+        for half in range(2):
+            row = row_lo + 8 * half
+            scale = scale_hi if half else scale_lo
+            if row < nrows:
+                for db in range(db_count):
+                    word = pack(acc[db, 2 * half] * scale, acc[db, 2 * half + 1] * scale)
+                    dst[b, row, h, 8 * db + 2 * t] = uint16(word & 0xFFFF)
+                    dst[b, row, h, 8 * db + 2 * t + 1] = uint16(word >> 16)
+
+    return store

@@ -1,0 +1,66 @@
+"""The tensor-core backward kernels (backends/numba_mma_bwd.py) against the float64 reference:
+under the simulator at small sizes, and with `-m gpu` on the GPU."""
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+from test_mma_forward import decode, encode
+
+from numba_flash.backends.numba_mma_bwd import launch_mma_backward
+from numba_flash.config import MmaBackwardConfig
+from numba_flash.standard_attention import attention_backward, attention_forward
+
+
+def round16(x, dtype):
+    return decode(encode(np.asarray(x, np.float32), dtype)[0], dtype)
+
+
+def plain_backward(dout, q, k, v, out, lse, causal, scale, dtype):
+    """Standard attention's backward as a 16-bit implementation computes it: float32 products,
+    P and dS rounded to the 16-bit type before they enter a matmul, gradients rounded."""
+    s = np.einsum("bqhd,bkhd->bhqk", q, k).astype(np.float32) * np.float32(scale)
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        s = np.where(np.arange(nk)[None] > np.arange(nq)[:, None] + nk - nq, -np.inf, s)
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse)[..., None]
+    p = np.exp(s - lse_safe)
+    delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    dp = np.einsum("bqhd,bkhd->bhqk", dout, v)
+    ds = round16(p * (dp - delta), dtype)
+    p = round16(p, dtype)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    return tuple(round16(x, dtype) for x in (dq, dk, dv))
+
+
+SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 1, 32)]
+GPU_SHAPES = [(2, 20, 45, 2, 64), (1, 70, 9, 2, 32), (1, 40, 80, 2, 128)]
+CASES = ([pytest.param("simulator", s, id="sim-" + "x".join(map(str, s))) for s in SHAPES] +
+         [pytest.param("gpu", s, id="gpu-" + "x".join(map(str, s)), marks=pytest.mark.gpu)
+          for s in GPU_SHAPES])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode, shape", CASES)
+def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    if mode == "gpu":
+        seqlen_q, seqlen_k = 16 * seqlen_q + 3, 16 * seqlen_k + 5
+    draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
+    (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n), dtype)
+                                            for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    outb, out = encode(np.ascontiguousarray(ref_out), dtype)
+    lse = np.ascontiguousarray(ref_lse, np.float32)
+    grads = [np.full(x.shape, 0x7E00, np.uint16) for x in (qb, kb, vb)]  # poisoned
+    delta = np.full(lse.shape, np.nan, np.float32)
+    # The simulator runs a small config (fewer Python threads); the GPU the real one.
+    config = MmaBackwardConfig(block_m=32, block_n=32, warps=2) if mode == "simulator" else None
+    launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
+                        dtype == "bfloat16", config=config)
+    refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
+    bases = plain_backward(do, q, k, v, out, lse, causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, decode(got, dtype), base, ref, "float16")
