@@ -24,15 +24,12 @@ from numba_flash.config import mma_backward_config
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait,
                                     unpack_bf16x2, unpack_f16x2)
 
+from . import numba_constants as constants
+from .numba_constants import LOG2E, ONE, POS_INF, ZERO
+from .numba_simt_bwd import DELTA_THREADS
 from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
                               make_warp_scores, make_warp_store)
 
-LOG2E = np.float32(1.4426950408889634)
-POS_INF = np.float32(np.inf)
-NEG_INF = np.float32(-np.inf)
-ZERO = np.float32(0.0)
-ONE = np.float32(1.0)
-DELTA_THREADS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,11 +53,6 @@ def mma_delta_kernel_function(head_dim, bf16):
     return flash_bwd_delta_16bit
 
 
-def _lse_log2(value):
-    """lse in log2 units; a row that saw no key (lse = -inf) gets +inf so that P = 0."""
-    return value * LOG2E if value != NEG_INF else POS_INF
-
-
 @functools.lru_cache(maxsize=None)
 def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
     BLOCK_N, BLOCK_M, D = 16 * warps, block_m, head_dim
@@ -73,7 +65,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
     scores = make_warp_scores(bf16, NQ, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
     store = make_warp_store(bf16, DB)
-    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x
@@ -162,7 +154,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
     scores = make_warp_scores(bf16, NB, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
     store = make_warp_store(bf16, DB)
-    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x

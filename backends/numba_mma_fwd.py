@@ -30,13 +30,9 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
                                     pack_f16x2, shfl_xor)
 
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO
 from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
 
-LOG2E = 1.4426950408889634
-LN2 = np.float32(math.log(2.0))
-NEG_INF = np.float32(-np.inf)
-ZERO = np.float32(0.0)
-ONE = np.float32(1.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,4 +240,4 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel[grid, WARP * config.warps, stream](q, k, v, out, lse,
-                                              np.float32(softmax_scale * LOG2E))
+                                              np.float32(softmax_scale * float(LOG2E)))

@@ -21,14 +21,11 @@ from numba import cuda, float32
 from numba_flash.config import simt_backward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
+from . import numba_constants as constants
+from .numba_constants import LOG2E, ONE, POS_INF, ZERO
 from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
                           row_stride)
 
-LOG2E = np.float32(1.4426950408889634)
-POS_INF = np.float32(np.inf)
-NEG_INF = np.float32(-np.inf)
-ZERO = np.float32(0.0)
-ONE = np.float32(1.0)
 DELTA_THREADS = 128
 
 
@@ -47,11 +44,6 @@ def _delta_kernel_function(head_dim):
     return flash_bwd_delta
 
 
-def _lse_log2(lse_value):
-    """lse in log2 units; a row that saw no key (lse = -inf) gets +inf so that P = exp2(S - inf) = 0."""
-    return lse_value * LOG2E if lse_value != NEG_INF else POS_INF
-
-
 def _dk_dv_kernel_function(config, head_dim, causal):
     BLOCK_M, BLOCK_N = config.block_m, config.block_n
     TX, TY = config.threads_x, config.threads_y
@@ -64,7 +56,7 @@ def _dk_dv_kernel_function(config, head_dim, causal):
     tile_scores = make_tile_dot(TK, TQ, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TK, TD, TY, BLOCK_M)
     store_tile = make_store_tile(TK, TD, TY, head_dim)
-    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: the threads' scalar stores avoid bank conflicts
@@ -155,7 +147,7 @@ def _dq_kernel_function(config, head_dim, causal):
     tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TM, TD, TY, BLOCK_N)
     store_tile = make_store_tile(TM, TD, TY, head_dim)
-    lse_log2 = cuda.jit(device=True, inline="always")(_lse_log2)
+    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     DS_SHAPE = (BLOCK_M, BLOCK_N + TX)

@@ -18,13 +18,9 @@ from numba import cuda, float32
 from numba_flash.config import simt_forward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO
 from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
-LOG2E = 1.4426950408889634
-LN2 = np.float32(math.log(2.0))
-NEG_INF = np.float32(-np.inf)
-ZERO = np.float32(0.0)
-ONE = np.float32(1.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,4 +163,4 @@ def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=No
     config = config or simt_forward_config(head_dim)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel = forward_kernel(config, head_dim, causal)
-    kernel[grid, config.threads, stream](q, k, v, out, lse, np.float32(softmax_scale * LOG2E))
+    kernel[grid, config.threads, stream](q, k, v, out, lse, np.float32(softmax_scale * float(LOG2E)))

@@ -66,11 +66,19 @@ _SIMT_BACKWARD = (
 )
 
 
-def _pick(table, head_dim):
+def _lookup(table, head_dim):
+    """The config of the first row of (max head_dim, config) that covers head_dim, or None."""
     for max_head_dim, config in table:
         if head_dim <= max_head_dim:
             return config
-    raise ValueError(f"headdim must be <= {table[-1][0]}; got {head_dim}")
+    return None
+
+
+def _pick(table, head_dim):
+    config = _lookup(table, head_dim)
+    if config is None:
+        raise ValueError(f"headdim must be <= {table[-1][0]}; got {head_dim}")
+    return config
 
 
 def simt_forward_config(head_dim):
@@ -122,12 +130,7 @@ _MMA_FORWARD = (
 
 def mma_forward_config(head_dim):
     """The tensor-core forward's config for head_dim, or None if it has none."""
-    if head_dim % 16:
-        return None
-    for max_head_dim, config in _MMA_FORWARD:
-        if head_dim <= max_head_dim:
-            return config
-    return None
+    return None if head_dim % 16 else _lookup(_MMA_FORWARD, head_dim)
 
 
 @dataclass(frozen=True)
@@ -150,9 +153,4 @@ _MMA_BACKWARD = (
 
 def mma_backward_config(head_dim):
     """The tensor-core backward's config for head_dim, or None if it has none."""
-    if head_dim % 16:
-        return None
-    for max_head_dim, config in _MMA_BACKWARD:
-        if head_dim <= max_head_dim:
-            return config
-    return None
+    return None if head_dim % 16 else _lookup(_MMA_BACKWARD, head_dim)

@@ -3,6 +3,7 @@ under the simulator at small sizes, and with `-m gpu` on the GPU."""
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
+from inputs import simulator_and_gpu_cases
 from test_mma_forward import decode, encode
 
 from numba_flash.backends.numba_mma_bwd import launch_mma_backward
@@ -35,9 +36,7 @@ def plain_backward(dout, q, k, v, out, lse, causal, scale, dtype):
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 1, 32)]
 GPU_SHAPES = [(2, 20, 45, 2, 64), (1, 70, 9, 2, 32), (1, 40, 80, 2, 128)]
-CASES = ([pytest.param("simulator", s, id="sim-" + "x".join(map(str, s))) for s in SHAPES] +
-         [pytest.param("gpu", s, id="gpu-" + "x".join(map(str, s)), marks=pytest.mark.gpu)
-          for s in GPU_SHAPES])
+CASES = simulator_and_gpu_cases(SHAPES, GPU_SHAPES)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
