@@ -19,7 +19,8 @@ for stage in "$@"; do
     case "$stage" in
         tests)
             timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider \
-                tests/test_intrinsics.py tests/test_mma_forward.py tests/test_gpu.py \
+                tests/test_intrinsics.py tests/test_mma_forward.py tests/test_mma_backward.py \
+                tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
         verify)
             timeout 560 python3 scripts/verify.py 2>&1 | tee "$OUT/verify.log" \
