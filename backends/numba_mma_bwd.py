@@ -26,31 +26,23 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
 
 from . import numba_constants as constants
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO
-from .numba_simt_bwd import DELTA_THREADS
+from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
 from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
                               make_warp_scores, make_warp_store)
 
 
+def _f16_bits_to_float32(bits):
+    return unpack_f16x2(uint32(bits))[0]
 
-@functools.lru_cache(maxsize=None)
+
+def _bf16_bits_to_float32(bits):
+    return unpack_bf16x2(uint32(bits))[0]
+
+
 def mma_delta_kernel_function(head_dim, bf16):
-    unpack = unpack_bf16x2 if bf16 else unpack_f16x2
-
-    def flash_bwd_delta_16bit(dout, out, delta):
-        """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] from 16-bit patterns."""
-        row = cuda.blockIdx.x * DELTA_THREADS + cuda.threadIdx.x
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
-        if row < out.shape[1]:
-            total = ZERO
-            for d in range(0, head_dim, 2):
-                do0, do1 = unpack(uint32(dout[b, row, h, d]) | (uint32(dout[b, row, h, d + 1])
-                                                                << 16))
-                o0, o1 = unpack(uint32(out[b, row, h, d]) | (uint32(out[b, row, h, d + 1]) << 16))
-                total += do0 * o0 + do1 * o1
-            delta[b, h, row] = total
-
-    return flash_bwd_delta_16bit
+    """The delta kernel of the SIMT backward, reading 16-bit patterns."""
+    return delta_kernel_function(head_dim,
+                                 _bf16_bits_to_float32 if bf16 else _f16_bits_to_float32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,16 +29,22 @@ from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate,
 DELTA_THREADS = 128
 
 
-def _delta_kernel_function(head_dim):
+@functools.lru_cache(maxsize=None)
+def delta_kernel_function(head_dim, to_float32=float32):
+    """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], one thread per row.
+    `to_float32` turns one array element into float32 (the tensor-core kernels pass a decoder
+    of 16-bit patterns)."""
+    convert = cuda.jit(device=True, inline="always")(to_float32) if to_float32 is not float32 \
+        else float32
+
     def flash_bwd_delta(dout, out, delta):
-        """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], one thread per row."""
         row = cuda.blockIdx.x * DELTA_THREADS + cuda.threadIdx.x
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         if row < out.shape[1]:
             total = ZERO
             for d in range(head_dim):
-                total += float32(dout[b, row, h, d]) * float32(out[b, row, h, d])
+                total += convert(dout[b, row, h, d]) * convert(out[b, row, h, d])
             delta[b, h, row] = total
 
     return flash_bwd_delta
@@ -223,7 +229,7 @@ def _dq_kernel_function(config, head_dim, causal):
 @functools.lru_cache(maxsize=None)
 def backward_kernel_functions(config, head_dim, causal):
     """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal)."""
-    return (_delta_kernel_function(head_dim),
+    return (delta_kernel_function(head_dim),
             _dk_dv_kernel_function(config, head_dim, causal),
             _dq_kernel_function(config, head_dim, causal))
 
