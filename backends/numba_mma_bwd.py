@@ -24,8 +24,7 @@ from numba_flash.config import mma_backward_config
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait,
                                     unpack_bf16x2, unpack_f16x2)
 
-from . import numba_constants as constants
-from .numba_constants import LOG2E, ONE, POS_INF, ZERO
+from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
 from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
                               make_warp_scores, make_warp_store)
@@ -57,7 +56,6 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
     scores = make_warp_scores(bf16, NQ, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
     store = make_warp_store(bf16, DB)
-    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x
@@ -94,9 +92,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
         load_tile(v_tile, v, b, n0, h, seqlen_k, BLOCK_N)
         cp_async_commit()
 
-        m_begin = 0
-        if causal:  # queries before n0 - offset cannot see any key of this tile
-            m_begin = max(0, n0 - offset) // BLOCK_M * BLOCK_M
+        m_begin = query_begin(causal, n0, offset, BLOCK_M)
         for m0 in range(m_begin, seqlen_q, BLOCK_M):
             # Load: Q, dO (cp.async), lse and D for this query tile.
             load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
@@ -146,7 +142,6 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
     scores = make_warp_scores(bf16, NB, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
     store = make_warp_store(bf16, DB)
-    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x
@@ -184,9 +179,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
         load_tile(do_tile, dout, b, m0, h, seqlen_q, BLOCK_M)
         cp_async_commit()
 
-        n_end = seqlen_k
-        if causal:
-            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
         for n0 in range(0, n_end, BLOCK_N):
             # Load: K, V tiles.
             load_tile(k_tile, k, b, n0, h, seqlen_k, BLOCK_N)

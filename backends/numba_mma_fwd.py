@@ -30,7 +30,7 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
                                     pack_f16x2, shfl_xor)
 
-from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
 
 
@@ -86,9 +86,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
         l_lo = ZERO  # this lane's share of the row sums
         l_hi = ZERO
 
-        n_end = seqlen_k
-        if causal:  # keys at or past m0 + BLOCK_M + offset are in every row's future
-            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
 
         # Load: Q, then the first K and V tiles, as three commit groups.
         load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)

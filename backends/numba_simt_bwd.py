@@ -21,8 +21,7 @@ from numba import cuda, float32
 from numba_flash.config import simt_backward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
-from . import numba_constants as constants
-from .numba_constants import LOG2E, ONE, POS_INF, ZERO
+from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
                           row_stride)
 
@@ -62,7 +61,6 @@ def _dk_dv_kernel_function(config, head_dim, causal):
     tile_scores = make_tile_dot(TK, TQ, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TK, TD, TY, BLOCK_M)
     store_tile = make_store_tile(TK, TD, TY, head_dim)
-    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: the threads' scalar stores avoid bank conflicts
@@ -101,9 +99,7 @@ def _dk_dv_kernel_function(config, head_dim, causal):
         load_k_tile(k_tile, k, b, n0, h, seqlen_k, scale_log2)
         load_k_tile(v_tile, v, b, n0, h, seqlen_k, ONE)
 
-        m_begin = 0
-        if causal:  # queries before n0 - offset cannot see any key of this tile
-            m_begin = max(0, n0 - offset) // BLOCK_M * BLOCK_M
+        m_begin = query_begin(causal, n0, offset, BLOCK_M)
         for m0 in range(m_begin, seqlen_q, BLOCK_M):
             # Load: Q, dO, lse, D for this query tile (rows past seqlen_q: zeros and lse = +inf).
             load_q_tile(q_tile, q, b, m0, h, seqlen_q, ONE)
@@ -153,7 +149,6 @@ def _dq_kernel_function(config, head_dim, causal):
     tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TM, TD, TY, BLOCK_N)
     store_tile = make_store_tile(TM, TD, TY, head_dim)
-    lse_log2 = cuda.jit(device=True, inline="always")(constants.lse_log2)
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     DS_SHAPE = (BLOCK_M, BLOCK_N + TX)
@@ -192,9 +187,7 @@ def _dq_kernel_function(config, head_dim, causal):
         load_q_tile(q_tile, q, b, m0, h, seqlen_q, scale_log2)
         load_q_tile(do_tile, dout, b, m0, h, seqlen_q, ONE)
 
-        n_end = seqlen_k
-        if causal:
-            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
         for n0 in range(0, n_end, BLOCK_N):
             # Load: K, V tiles.
             load_k_tile(k_tile, k, b, n0, h, seqlen_k, ONE)

@@ -18,7 +18,7 @@ from numba import cuda, float32
 from numba_flash.config import simt_forward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
-from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
 
@@ -72,9 +72,7 @@ def forward_kernel_function(config, head_dim, causal):
         # Load: the Q tile, once, pre-scaled so that scores come out in log2 units.
         load_q_tile(q_tile, q, b, m0, h, seqlen_q, scale_log2)
 
-        n_end = seqlen_k
-        if causal:  # keys at or past m0 + BLOCK_M + offset are in the future of every row here
-            n_end = min(seqlen_k, m0 + BLOCK_M + offset)
+        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
         for n0 in range(0, n_end, BLOCK_N):
             # Load: the K tile.
             load_kv_tile(kv_tile, k, b, n0, h, seqlen_k, ONE)
