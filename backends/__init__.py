@@ -7,6 +7,8 @@ backend is first asked for (numba_flash.registry), so that listing backends cost
 #: name -> (module inside numba_flash.backends, class name), in "auto" preference order
 BACKEND_MODULES = {
     "numba": ("numba_backend", "NumbaBackend"),
+    "numba-mma": ("numba_backend", "NumbaMmaBackend"),
+    "numba-simt": ("numba_backend", "NumbaSimtBackend"),
     "cupy": ("cupy_standard", "CupyStandardBackend"),
     "numpy": ("numpy_reference", "NumpyReferenceBackend"),
 }

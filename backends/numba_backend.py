@@ -1,17 +1,33 @@
-"""The "numba" backend: FlashAttention kernels written as Numba CUDA kernels.
+"""The Numba backends: FlashAttention kernels written as Numba CUDA kernels.
 
-It takes device arrays (CuPy, torch, Numba, anything with __cuda_array_interface__) and
-launches on the caller's current stream. Under Numba's CUDA simulator
-(NUMBA_ENABLE_CUDASIM=1, for machines without a GPU) it takes NumPy arrays instead.
-Numba is imported only when the backend is first used.
+Two kernel families ("engines") serve them:
+  - tensor cores (backends/numba_mma_*.py): float16 and bfloat16 on GPUs of compute capability
+    8.0 or newer, head dims up to 128 (padded to a multiple of 16);
+  - SIMT (backends/numba_simt_*.py): float32 and float16 on any GPU, head dims up to 256.
+"numba" picks the first engine that can run a call, in that order; "numba-mma" and
+"numba-simt" use one engine only (for comparisons, benchmarks and tests).
+
+They take device arrays (CuPy, torch, Numba, anything with __cuda_array_interface__) and launch
+on the caller's current stream. Under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, for
+machines without a GPU) they take host arrays (NumPy, or CPU torch tensors for bfloat16)
+instead; there "numba" uses SIMT only, and "numba-mma" runs the tensor-core kernels through
+the intrinsics' Python twins. Numba is imported only when a backend is first used.
 """
 import contextlib
+import functools
 import warnings
 
 import numpy as np
 
 from numba_flash import _arrays
 from numba_flash.backend_base import Backend
+from numba_flash.config import mma_backward_config, mma_forward_config
+
+MMA = "tensor cores"
+SIMT = "SIMT"
+SIXTEEN_BIT = ("float16", "bfloat16")
+#: compute capability of the first GPUs with bf16 mma.sync, ldmatrix and cp.async
+TENSOR_CORE_CC = (8, 0)
 
 
 def simulator_enabled():
@@ -19,9 +35,41 @@ def simulator_enabled():
     return bool(config.ENABLE_CUDASIM)
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id):
+    from numba import cuda
+    with cuda.gpus[device_id]:
+        return tuple(cuda.get_current_device().compute_capability)
+
+
+def mma_head_dim(head_dim):
+    """The head dim the tensor-core kernels run head_dim at (the next multiple of 16), or None
+    if neither the forward nor the backward has a config for it."""
+    padded = -(-head_dim // 16) * 16
+    if mma_forward_config(padded) and mma_backward_config(padded):
+        return padded
+    return None
+
+
+def is_tile_ready(view, head_dim):
+    """True if the tensor-core kernels can read this 16-bit view directly: head_dim columns,
+    unit stride along them and every row starting 16-byte aligned (cp.async copies 16 B)."""
+    if int(view.shape[3]) != head_dim or int(view.strides[3]) != 2:
+        return False
+    if hasattr(view, "__cuda_array_interface__"):
+        pointer = view.__cuda_array_interface__["data"][0]
+    else:
+        pointer = view.ctypes.data
+    return pointer % 16 == 0 and all(int(s) % 16 == 0 for s in view.strides[:3])
+
+
 class NumbaBackend(Backend):
     name = "numba"
-    dtypes = ("float16", "float32")
+    dtypes = ("float16", "bfloat16", "float32")
+    #: the engines this backend may use, in order of preference
+    engines = (MMA, SIMT)
+    #: whether the tensor-core kernels run under the simulator (slow; "numba-mma" only)
+    simulate_tensor_cores = False
 
     def available(self):
         """None if the kernels can run here (a CUDA GPU, or the simulator), else the reason."""
@@ -47,7 +95,48 @@ class NumbaBackend(Backend):
         elif not _arrays.is_device_kind(kind):
             return ("it runs on the GPU and takes device arrays (CuPy, torch, Numba); got host "
                     "arrays: copy them to the GPU first, e.g. cupy.asarray(q)")
+        engine, reason = self.engine(q)
+        return reason
+
+    # -- which kernels -------------------------------------------------------------------------
+
+    def _tensor_cores_reason(self, q):
+        """None if the tensor-core kernels can run q's call, else why not."""
+        dtype = _arrays.dtype_name(q)
+        head_dim = int(q.shape[3])
+        if dtype not in SIXTEEN_BIT:
+            return f"the tensor-core kernels take float16 or bfloat16, not {dtype}"
+        if mma_head_dim(head_dim) is None:
+            return f"the tensor-core kernels cover headdim <= 128, not {head_dim}"
+        if simulator_enabled():
+            if not self.simulate_tensor_cores:
+                return ("under the CUDA simulator only backend 'numba-mma' runs the tensor-core "
+                        "kernels")
+            return None
+        cc = compute_capability(_arrays.device_id(q))
+        if cc < TENSOR_CORE_CC:
+            return (f"the tensor-core kernels need compute capability "
+                    f"{TENSOR_CORE_CC[0]}.{TENSOR_CORE_CC[1]} or newer; this GPU has "
+                    f"{cc[0]}.{cc[1]}")
         return None
+
+    def _simt_reason(self, q):
+        dtype = _arrays.dtype_name(q)
+        if dtype not in ("float16", "float32"):
+            return f"the SIMT kernels take float16 or float32, not {dtype}"
+        return None
+
+    def engine(self, q):
+        """(engine, None) for the first engine that can run q's call, else (None, reasons)."""
+        reasons = []
+        for engine in self.engines:
+            reason = (self._tensor_cores_reason if engine == MMA else self._simt_reason)(q)
+            if reason is None:
+                return engine, None
+            reasons.append(reason)
+        return None, "; ".join(reasons)
+
+    # -- launching -----------------------------------------------------------------------------
 
     @staticmethod
     @contextlib.contextmanager
@@ -58,22 +147,33 @@ class NumbaBackend(Backend):
                                                       "under-utilization")
             yield
 
-    # -- launching -----------------------------------------------------------------------------
-
-    def _prepare(self, ref, arrays):
-        """(stream, kernel views of arrays) for a launch on the caller's current stream."""
+    def _stream(self, ref):
+        """The caller's current stream for a launch (0 under the simulator)."""
         if simulator_enabled():
-            return 0, [np.ascontiguousarray(_arrays.as_numpy(x)) for x in arrays]
+            return 0
         from numba import cuda
         handle = _arrays.caller_stream_handle(ref)
         if handle in (None, 1):
-            stream = cuda.legacy_default_stream()
-        elif handle == 2:
-            stream = cuda.per_thread_default_stream()
+            return cuda.legacy_default_stream()
+        if handle == 2:
+            return cuda.per_thread_default_stream()
+        return cuda.external_stream(handle)
+
+    def _view(self, x, bits=False):
+        """The kernels' view of x, sharing its memory: a Numba device array on the GPU, a NumPy
+        array under the simulator; with bits=True, its 16-bit patterns as uint16."""
+        if type(x).__module__.startswith("torch"):
+            x = x.detach()
+            if bits:
+                import torch
+                x = x.view(torch.int16)  # torch exports no bfloat16 through the interfaces
+        if simulator_enabled():  # the simulator copies its arguments, so only whole buffers
+            view = np.ascontiguousarray(_arrays.as_numpy(x))
         else:
-            stream = cuda.external_stream(handle)
-        # sync=False: the caller's stream already orders the producer of these arrays before us.
-        return stream, [cuda.as_cuda_array(_arrays.detached(x), sync=False) for x in arrays]
+            from numba import cuda
+            # sync=False: the caller's stream already orders the producer of x before us.
+            view = cuda.as_cuda_array(x, sync=False)
+        return view.view(np.uint16) if bits else view
 
     def _on_device(self, ref):
         """Numba's current device set to the arrays' GPU for the allocations and launches."""
@@ -83,31 +183,107 @@ class NumbaBackend(Backend):
         return cuda.gpus[_arrays.device_id(ref)]
 
     def _new(self, ref, shape, dtype):
-        """A new output array like ref's (C-contiguous, so _prepare hands the kernels the array
-        itself)."""
-        if simulator_enabled():
-            return np.empty(shape, dtype)
+        """A new C-contiguous output array of ref's library and device."""
+        return _arrays.empty_like_kind(ref, shape, dtype)
+
+    def _scratch(self, ref, shape, dtype):
+        """A new array for the kernels only (never returned to the caller)."""
         return _arrays.empty_like_kind(ref, shape, dtype)
 
     def forward(self, q, k, v, *, causal, softmax_scale):
-        from .numba_simt_fwd import launch_forward
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
+        dtype = _arrays.dtype_name(q)
+        engine, reason = self.engine(q)
+        if engine is None:
+            raise ValueError(f"backend {self.name!r} cannot run this call: {reason}")
         with self._on_device(q):
-            out = self._new(q, tuple(int(s) for s in q.shape), _arrays.dtype_name(q))
-            lse = self._new(q, (batch, nheads, seqlen_q), np.float32)
-            stream, (qv, kv, vv, outv, lsev) = self._prepare(q, [q, k, v, out, lse])
+            out = self._new(q, tuple(int(s) for s in q.shape), dtype)
+            lse = self._new(q, (batch, nheads, seqlen_q), "float32")
+            stream = self._stream(q)
             with self._quiet_launch():
-                launch_forward(qv, kv, vv, outv, lsev, causal, softmax_scale, stream)
+                if engine == MMA:
+                    self._mma_forward(q, k, v, out, lse, causal, softmax_scale, stream)
+                else:
+                    from .numba_simt_fwd import launch_forward
+                    views = [self._view(x) for x in (q, k, v, out, lse)]
+                    launch_forward(*views, causal, softmax_scale, stream)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
-        from .numba_simt_bwd import launch_backward
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
         dtype = _arrays.dtype_name(q)
+        engine, reason = self.engine(q)
+        if engine is None:
+            raise ValueError(f"backend {self.name!r} cannot run this call: {reason}")
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
-            delta = self._new(q, (batch, nheads, seqlen_q), np.float32)
-            stream, views = self._prepare(q, [dout, q, k, v, out, lse, delta] + grads)
+            delta = self._scratch(q, (batch, nheads, seqlen_q), "float32")
+            stream = self._stream(q)
             with self._quiet_launch():
-                launch_backward(*views, causal, softmax_scale, stream)
+                if engine == MMA:
+                    self._mma_backward(dout, q, k, v, out, lse, delta, grads, causal,
+                                       softmax_scale, stream)
+                else:
+                    from .numba_simt_bwd import launch_backward
+                    views = [self._view(x) for x in [dout, q, k, v, out, lse, delta] + grads]
+                    launch_backward(*views, causal, softmax_scale, stream)
         return tuple(grads)
+
+    # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
+
+    def _mma_input(self, x, ref, head_dim, stream):
+        """x's 16-bit view if the kernels can read it in place, else a padded aligned copy."""
+        from .numba_copy import copy_padded
+        view = self._view(x, bits=True)
+        if is_tile_ready(view, head_dim):
+            return view
+        shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
+        copy = self._view(self._scratch(ref, shape, "int16"), bits=True)
+        copy_padded(view, copy, stream)
+        return copy
+
+    def _mma_output(self, x, ref, head_dim):
+        """(kernel view, the copy to make into x afterwards or None) for an output array."""
+        view = self._view(x, bits=True)
+        if is_tile_ready(view, head_dim):
+            return view, None
+        shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
+        return self._view(self._scratch(ref, shape, "int16"), bits=True), view
+
+    def _mma_forward(self, q, k, v, out, lse, causal, softmax_scale, stream):
+        from .numba_copy import copy_padded
+        from .numba_mma_fwd import launch_mma_forward
+        head_dim = mma_head_dim(int(q.shape[3]))
+        qv, kv, vv = (self._mma_input(x, q, head_dim, stream) for x in (q, k, v))
+        out_view, out_final = self._mma_output(out, q, head_dim)
+        launch_mma_forward(qv, kv, vv, out_view, self._view(lse), causal, softmax_scale,
+                           _arrays.dtype_name(q) == "bfloat16", stream)
+        if out_final is not None:
+            copy_padded(out_view, out_final, stream)
+
+    def _mma_backward(self, dout, q, k, v, out, lse, delta, grads, causal, softmax_scale,
+                      stream):
+        from .numba_copy import copy_padded
+        from .numba_mma_bwd import launch_mma_backward
+        head_dim = mma_head_dim(int(q.shape[3]))
+        inputs = [self._mma_input(x, q, head_dim, stream) for x in (dout, q, k, v, out)]
+        outputs = [self._mma_output(g, q, head_dim) for g in grads]
+        launch_mma_backward(*inputs, self._view(lse), self._view(delta),
+                            *(view for view, _ in outputs), causal, softmax_scale,
+                            _arrays.dtype_name(q) == "bfloat16", stream)
+        for view, final in outputs:
+            if final is not None:
+                copy_padded(view, final, stream)
+
+
+class NumbaMmaBackend(NumbaBackend):
+    name = "numba-mma"
+    dtypes = SIXTEEN_BIT
+    engines = (MMA,)
+    simulate_tensor_cores = True
+
+
+class NumbaSimtBackend(NumbaBackend):
+    name = "numba-simt"
+    dtypes = ("float16", "float32")
+    engines = (SIMT,)

@@ -13,21 +13,21 @@ from numba_flash.standard_attention import attention_backward, attention_forward
 
 class NumpyReferenceBackend(Backend):
     name = "numpy"
-    dtypes = ("float16", "float32", "float64")
+    dtypes = ("float16", "bfloat16", "float32", "float64")
 
     def supports(self, q, k, v, *, causal=False, softmax_scale=None):
         if _arrays.array_kind(q) != _arrays.HOST:
-            return "it runs on the CPU and takes host (NumPy) arrays only"
+            return "it runs on the CPU and takes host arrays (NumPy, CPU torch tensors) only"
         if _arrays.dtype_name(q) not in self.dtypes:
             return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
         return None
 
     def forward(self, q, k, v, *, causal, softmax_scale):
-        q, k, v = (_arrays.as_numpy(x) for x in (q, k, v))
-        out, lse = attention_forward(np, q, k, v, causal, softmax_scale, np.float64)
-        return out.astype(q.dtype), lse.astype(np.float32)
+        arrays = [_arrays.as_numpy(x) for x in (q, k, v)]
+        out, lse = attention_forward(np, *arrays, causal, softmax_scale, np.float64)
+        return _arrays.host_like(out, q), _arrays.host_like(lse, q, "float32")
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
         arrays = [_arrays.as_numpy(x) for x in (dout, q, k, v, out, lse)]
         grads = attention_backward(np, *arrays, causal, softmax_scale, np.float64)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, arrays[1:4]))
+        return tuple(_arrays.host_like(g, x) for g, x in zip(grads, (q, k, v)))

@@ -51,28 +51,43 @@ def device_id(x):
 
 
 def as_numpy(x):
-    """Host view of a host array (NumPy, or a CPU torch tensor)."""
+    """Host view of a host array (NumPy, or a CPU torch tensor; bfloat16 ones as float32)."""
     if isinstance(x, np.ndarray):
         return x
     if array_kind(x) == HOST and hasattr(x, "numpy"):
-        return x.detach().numpy()
+        x = x.detach()
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+            x = x.float()
+        return x.numpy()
     return np.asarray(x)
 
 
+def host_like(values, ref, dtype=None):
+    """NumPy `values` as a host array of ref's library (NumPy or CPU torch), in `dtype` (a name;
+    default ref's dtype)."""
+    if type(ref).__module__.startswith("torch"):
+        import torch
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        return tensor.to(ref.dtype if dtype is None else getattr(torch, dtype))
+    return values.astype(ref.dtype if dtype is None else dtype)
+
+
 def empty_like_kind(ref, shape, dtype):
-    """A new uninitialised array of the same library and device as `ref`."""
+    """A new uninitialised C-contiguous array of the same library and device as `ref`; dtype is
+    a name ('float32', 'bfloat16', ...) or a NumPy dtype."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if type(ref).__module__.startswith("torch"):  # CUDA or CPU tensors
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, name), device=ref.device)
     kind = array_kind(ref)
     if kind == HOST:
-        return np.empty(shape, dtype)
+        return np.empty(shape, name)
     if kind == CUPY:
         import cupy
         with cupy.cuda.Device(ref.device.id):
-            return cupy.empty(shape, dtype)
-    if kind == TORCH:
-        import torch
-        return torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=ref.device)
+            return cupy.empty(shape, name)
     from numba import cuda
-    return cuda.device_array(shape, dtype)
+    return cuda.device_array(shape, name)
 
 
 def caller_stream_handle(x):

@@ -31,3 +31,62 @@ def error_bound(baseline_error, ref, dtype):
     finite = ref[np.isfinite(ref)]
     scale = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
     return 2.0 * baseline_error + FLOOR[str(dtype)] * scale
+
+
+# -- "plain" 16-bit standard attention, emulated in float32 ----------------------------------
+# What a 16-bit implementation of standard attention computes (float32 products and softmax,
+# P and dS rounded to the 16-bit type before they enter a matmul, results rounded). It sets the
+# error bound for bfloat16, which neither NumPy nor CuPy computes in. `xp` is numpy or cupy.
+
+def bf16_bits(xp, x):
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    bits = xp.asarray(x, xp.float32).view(xp.uint32).astype(xp.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).astype(xp.uint16)
+
+
+def bf16_values(xp, bits):
+    """bfloat16 bit patterns -> their float32 values."""
+    return (xp.asarray(bits).astype(xp.uint32) << 16).view(xp.float32)
+
+
+def round16(xp, x, dtype):
+    """float32 values rounded to float16 or bfloat16, returned as float32."""
+    x = xp.asarray(x, xp.float32)
+    if dtype == "float16":
+        return x.astype(xp.float16).astype(xp.float32)
+    return bf16_values(xp, bf16_bits(xp, x))
+
+
+def _masked_scores(xp, q, k, causal, scale):
+    s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(scale)
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        future = xp.arange(nk)[None] > xp.arange(nq)[:, None] + nk - nq
+        s = xp.where(future, xp.float32(-xp.inf), s)
+    return s
+
+
+def plain16_forward(xp, q, k, v, causal, scale, dtype):
+    """(out, lse) of standard attention as a 16-bit implementation computes them."""
+    s = _masked_scores(xp, q, k, causal, scale)
+    m = s.max(-1, keepdims=True)
+    p = xp.exp(s - xp.where(xp.isneginf(m), xp.float32(0), m))
+    l = p.sum(-1, keepdims=True)
+    out = xp.einsum("bhqk,bkhd->bqhd", round16(xp, p, dtype), v)
+    out = out / xp.where(l == 0, xp.float32(1), l).transpose(0, 2, 1, 3)
+    lse = (m + xp.log(l))[..., 0]
+    return round16(xp, out, dtype), lse
+
+
+def plain16_backward(xp, dout, q, k, v, out, lse, causal, scale, dtype):
+    """(dq, dk, dv) of standard attention as a 16-bit implementation computes them."""
+    s = _masked_scores(xp, q, k, causal, scale)
+    p = xp.exp(s - xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse)[..., None])
+    delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    dp = xp.einsum("bqhd,bkhd->bhqk", dout, v)
+    ds = round16(xp, p * (dp - delta), dtype)
+    p = round16(xp, p, dtype)
+    dv = xp.einsum("bhqk,bqhd->bkhd", p, dout)
+    dq = xp.einsum("bhqk,bkhd->bqhd", ds, k) * xp.float32(scale)
+    dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * xp.float32(scale)
+    return tuple(round16(xp, x, dtype) for x in (dq, dk, dv))

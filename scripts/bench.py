@@ -18,6 +18,10 @@ import numpy as np
 
 import harness
 
+#: "numba" picks the tensor-core kernels for 16-bit inputs on this GPU; "numba-simt" shows the
+#: SIMT kernels beside them.
+NUMBA_FLASH_BACKENDS = ("numba", "numba-simt", "cupy")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 TORCH_BACKENDS = {"float16": ("flash", "cudnn", "efficient", "math"),
                   "bfloat16": ("flash", "cudnn", "efficient", "math"),
                   "float32": ("efficient", "math")}
@@ -57,29 +61,16 @@ class Timer:
 
 def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype):
     """{name: fn(i) running one call on input set i}, for every implementation that applies."""
-    from numba import cuda
-
-    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
-    from numba_flash.config import mma_forward_config
     runners = {}
-    for name in ("numba", "cupy"):
+    for name in NUMBA_FLASH_BACKENDS:
+        if name == "numba-simt" and dtype == "float32":
+            continue  # "numba" runs the SIMT kernels for float32 already
         def run(i, name=name):
             q, k, v, dout = inputs[i]
             out, lse = numba_flash.forward(q, k, v, causal=causal, backend=name)
             if passes == "fwdbwd":
                 numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=name)
         runners[name] = run
-    if dtype == "float16" and passes == "fwd" and mma_forward_config(inputs[0][0].shape[3]):
-        def run_mma(i):  # the tensor-core forward, not yet registered as a backend
-            q, k, v, _ = inputs[i]
-            out = cp.empty_like(q).view(cp.uint16)
-            lse = cp.empty((q.shape[0], q.shape[2], q.shape[1]), cp.float32)
-            views = [cuda.as_cuda_array(x, sync=False) for x in
-                     (q.view(cp.uint16), k.view(cp.uint16), v.view(cp.uint16), out, lse)]
-            handle = cp.cuda.get_current_stream().ptr
-            launch_mma_forward(*views, causal, q.shape[3] ** -0.5, False,
-                               cuda.external_stream(handle) if handle else 0)
-        runners["numba-mma"] = run_mma
     if torch is None:
         return runners
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -114,20 +105,28 @@ def peak_extra(cp, torch, fn):
     return cupy_extra + torch_extra
 
 
+def random_inputs(cp, torch, rng, shape, dtype):
+    """q, k, v, dout as CuPy arrays, or for bfloat16 (which CuPy lacks) as torch tensors."""
+    if dtype != "bfloat16":
+        return harness.random_inputs(cp, rng, *shape, dtype)
+    return [torch.from_dlpack(x).to(torch.bfloat16)
+            for x in harness.random_inputs(cp, rng, *shape, "float32")]
+
+
 def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causal, passes,
                tokens, model_dim):
     batch = max(1, tokens // seqlen)
     nheads = max(1, model_dim // headdim)
     shape = (batch, seqlen, seqlen, nheads, headdim)
-    one_set = 4 * batch * seqlen * nheads * headdim * np.dtype(dtype).itemsize
+    one_set = 4 * batch * seqlen * nheads * headdim * ITEMSIZE[dtype]
     n_inputs = 1 if one_set > 120 * 2**20 else 3  # rotate when a set would stay in the 60 MB L2
-    inputs = [harness.random_inputs(cp, rng, *shape, dtype) for _ in range(n_inputs)]
+    inputs = [random_inputs(cp, torch, rng, shape, dtype) for _ in range(n_inputs)]
     work = flops(batch, nheads, seqlen, seqlen, headdim, causal, passes)
     row = {"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
            "nheads": nheads, "causal": causal, "passes": passes, "results": {}}
     q, k, v, _ = inputs[0]
     for name, fn in make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype).items():
-        if name in ("numba", "cupy"):
+        if name in NUMBA_FLASH_BACKENDS:
             reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
             if reason:
                 row["results"][name] = {"skipped": reason}
@@ -221,6 +220,9 @@ def main(argv=None):
             import torch
         except ImportError:
             print("torch not installed: SDPA peers left out")
+    if torch is None and "bfloat16" in args.dtypes:
+        print("bfloat16 left out: its inputs are torch tensors (CuPy has no bfloat16)")
+        args.dtypes = [d for d in args.dtypes if d != "bfloat16"]
     props = cp.cuda.runtime.getDeviceProperties(0)
     print(f"GPU: {props['name'].decode()}; ratios are numba / peer", flush=True)
     timer = Timer(cp)

@@ -3,6 +3,8 @@
 #   bash scripts/gpu_check.sh tests    # pytest -m gpu (intrinsics and tensor-core kernel first)
 #   bash scripts/gpu_check.sh verify   # scripts/verify.py
 #   bash scripts/gpu_check.sh bench    # scripts/bench.py, forward, fp32 + fp16, d64 + d128
+#   bash scripts/gpu_check.sh api      # pytest -m gpu, the backend-level tests only
+#   bash scripts/gpu_check.sh tune     # scripts/tune_mma.py, fwd + bwd, d64 + d128, N = 4096
 # Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
 # numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
 set -uo pipefail
@@ -22,6 +24,11 @@ for stage in "$@"; do
                 tests/test_intrinsics.py tests/test_mma_forward.py tests/test_mma_backward.py \
                 tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
+        api)
+            timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+                tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
+        tune)
+            timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;
         verify)
             timeout 560 python3 scripts/verify.py 2>&1 | tee "$OUT/verify.log" \
                 | grep -E "FAIL|N65536|passed" || status=1 ;;
@@ -29,7 +36,7 @@ for stage in "$@"; do
             timeout 560 python3 scripts/bench.py --dtypes float32 float16 --head-dims 64 128 \
                 --seqlens 1024 4096 16384 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
-        *) echo "unknown stage $stage (tests, verify, bench)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, api, tune, verify, bench)"; exit 2 ;;
     esac
 done
 exit $status

@@ -13,6 +13,7 @@ failure.
     python scripts/verify.py [--simulator] [--quick]
 """
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -42,13 +43,13 @@ class Table:
     def add(self, backend, case, quantity, error, limit, note=""):
         ok = error <= limit
         self.rows.append((backend, case, quantity, error, limit, "PASS" if ok else "FAIL", note))
-        print(f"{backend:7s} {case:38s} {quantity:4s} {error:10.3g} {limit:10.3g} "
+        print(f"{backend:10s} {case:42s} {quantity:4s} {error:10.3g} {limit:10.3g} "
               f"{'PASS' if ok else 'FAIL'} {note}", flush=True)
         return ok
 
     def skip(self, backend, case, reason):
         self.rows.append((backend, case, "-", float("nan"), float("nan"), "SKIP", reason))
-        print(f"{backend:7s} {case:38s} SKIP: {reason}", flush=True)
+        print(f"{backend:10s} {case:42s} SKIP: {reason}", flush=True)
 
     @property
     def failures(self):
@@ -56,50 +57,93 @@ class Table:
 
 
 def to_host(x):
+    """NumPy copy of a CuPy array or torch tensor (bfloat16 as float32), or x itself."""
+    if type(x).__module__.startswith("torch"):
+        return x.detach().float().cpu().numpy()
     return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+class Inputs:
+    """One case's arrays: `values` (xp arrays the references compute from) and what the
+    backends get: the same arrays, or for bfloat16 (which NumPy and CuPy lack) torch tensors
+    holding the same values, on the GPU or, for the host backends, on the CPU."""
+
+    def __init__(self, xp, values, dtype, on_gpu):
+        self.xp, self.values, self.dtype, self.on_gpu = xp, values, dtype, on_gpu
+
+    def for_backend(self, x, host):
+        if self.dtype != "bfloat16":
+            return to_host(x) if host else x
+        import torch
+        tensor = torch.from_numpy(to_host(x)) if host or not self.on_gpu else torch.from_dlpack(x)
+        return tensor.to(torch.bfloat16)
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
     from numba_flash.standard_attention import attention_backward, attention_forward
+    from numba_flash.testing import plain16_backward, plain16_forward, round16
     batch, seqlen_q, seqlen_k, nheads, headdim = shape
-    case = (f"{dtype} {'causal' if causal else 'full  '} B{batch} H{nheads} "
+    case = (f"{dtype:8s} {'causal' if causal else 'full  '} B{batch} H{nheads} "
             f"Nq{seqlen_q} Nk{seqlen_k} D{headdim}")
-    q, k, v, dout = harness.random_inputs(xp, rng, *shape, dtype)
+    bf16 = dtype == "bfloat16"
+    values = harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype)
+    if bf16:
+        values = [round16(xp, x, dtype) for x in values]
+    inputs = Inputs(xp, values, dtype, on_gpu)
+    q, k, v, dout = values
     scale = headdim ** -0.5
-    ref_out, ref_lse = (to_host(x) for x in attention_forward(xp, q, k, v, causal, scale,
-                                                              "float64"))
-    out_in = xp.ascontiguousarray(xp.asarray(ref_out).astype(dtype))
-    lse_in = xp.ascontiguousarray(xp.asarray(ref_lse).astype("float32"))
+    ref_out, ref_lse = attention_forward(xp, q, k, v, causal, scale, "float64")
+    # out and lse handed to backward: the reference's, rounded as forward would return them.
+    out_in = (round16(xp, ref_out, dtype) if bf16 else
+              xp.ascontiguousarray(ref_out.astype(dtype)))
+    lse_in = xp.ascontiguousarray(ref_lse.astype("float32"))
     ref_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in,
                                                         causal, scale, "float64")]
+    ref_out, ref_lse = to_host(ref_out), to_host(ref_lse)
     # The plain same-precision implementation that sets the error bound.
-    base_out, base_lse = (to_host(x) for x in attention_forward(xp, q, k, v, causal, scale,
-                                                                dtype))
-    base_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in,
-                                                         causal, scale, dtype)]
-    limits = {"out": error_bound(max_error(base_out, ref_out), ref_out, dtype),
-              "lse": error_bound(max_error(base_lse, ref_lse), ref_lse, dtype)}
+    if bf16:
+        base_out, base_lse = plain16_forward(xp, q, k, v, causal, scale, dtype)
+        base_grads = plain16_backward(xp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    else:
+        base_out, base_lse = attention_forward(xp, q, k, v, causal, scale, dtype)
+        base_grads = attention_backward(xp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    limits = {"out": error_bound(max_error(to_host(base_out), ref_out), ref_out, dtype),
+              "lse": error_bound(max_error(to_host(base_lse), ref_lse), ref_lse, dtype)}
     for name, base, ref in zip(("dq", "dk", "dv"), base_grads, ref_grads):
-        limits[name] = error_bound(max_error(base, ref), ref, dtype)
+        limits[name] = error_bound(max_error(to_host(base), ref), ref, dtype)
 
+    engines_run = {}  # kernel family -> the backend that ran it for this case
     for name, reason in numba_flash.available_backends().items():
         if reason:
             table.skip(name, case, reason)
             continue
-        host_only = name == "numpy"
-        if on_gpu and host_only and seqlen_q * seqlen_k > 1024 * 1024:
+        host = name == "numpy"
+        if on_gpu and host and seqlen_q * seqlen_k > 1024 * 1024:
             table.skip(name, case, "float64 on the CPU: checked at the smaller shapes")
             continue
-        args = [to_host(x) for x in (q, k, v)] if host_only else [q, k, v]
-        if on_gpu and not host_only:
+        args = [inputs.for_backend(x, host) for x in (q, k, v)]
+        reason = numba_flash.get_backend(name).supports(*args, causal=causal)
+        if reason:
+            table.skip(name, case, reason)
+            continue
+        backend = numba_flash.get_backend(name)
+        engine = backend.engine(args[0])[0] if hasattr(backend, "engine") else name
+        if engine in engines_run:
+            table.skip(name, case, f"runs the same kernels ({engine}) as "
+                                   f"{engines_run[engine]!r} here")
+            continue
+        engines_run[engine] = name
+        if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
         out, lse = numba_flash.forward(*args, causal=causal, backend=name)
         table.add(name, case, "out", max_error(to_host(out), ref_out), limits["out"])
         table.add(name, case, "lse", max_error(to_host(lse), ref_lse), limits["lse"])
-        bargs = [dout, q, k, v, out_in, lse_in]
-        if host_only:
-            bargs = [to_host(x) for x in bargs]
-        if on_gpu and not host_only:
+        bargs = [inputs.for_backend(x, host) for x in (dout, q, k, v, out_in)]
+        bargs.append(to_host(lse_in) if host else lse_in)
+        if bf16 and on_gpu and not host:
+            import torch
+            bargs[-1] = torch.from_dlpack(lse_in)
+        if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
         grads = numba_flash.backward(*bargs, causal=causal, backend=name)
         for gname, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -159,14 +203,19 @@ def main(argv=None):
         import cupy as xp
         print(f"GPU: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}\n")
     shapes = GPU_SHAPES if on_gpu else SIM_SHAPES
+    have_torch = importlib.util.find_spec("torch") is not None
     if args.quick:
         shapes = shapes[:2]
     rng = np.random.default_rng()
     table = Table()
-    print(f"{'backend':7s} {'case':38s} {'qty':4s} {'max error':>10s} {'bound':>10s}")
+    print(f"{'backend':10s} {'case':42s} {'qty':4s} {'max error':>10s} {'bound':>10s}")
     for shape in shapes:
-        for dtype in ("float32", "float16"):
+        for dtype in ("float32", "float16", "bfloat16"):
             for causal in (False, True):
+                if dtype == "bfloat16" and not have_torch:
+                    table.skip("all", f"{dtype} {shape}", "bfloat16 arrays come as torch "
+                                                         "tensors, and torch is not installed")
+                    continue
                 verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu)
     if on_gpu and not args.quick:
         for causal in (False, True):

@@ -39,8 +39,17 @@ def rng():
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
-    """Make the numba backend allocate NaN-filled outputs, so an unwritten element shows."""
-    import numba_flash
-    backend = numba_flash.get_backend("numba")
-    monkeypatch.setattr(type(backend), "_new",
-                        lambda self, ref, shape, dtype: np.full(shape, np.nan, dtype))
+    """Make the numba backends allocate NaN-filled outputs and scratch, so an element a kernel
+    forgets to write shows (the subclasses numba-mma and numba-simt inherit the patch)."""
+    from numba_flash.backends.numba_backend import NumbaBackend
+    original = NumbaBackend._new
+
+    def poisoned(self, ref, shape, dtype):
+        array = original(self, ref, shape, dtype)
+        if str(dtype).endswith("int16"):  # 16-bit patterns: the float16 NaN 0x7E00
+            array[...] = 0x7E00
+        else:
+            array[...] = float("nan")
+        return array
+    monkeypatch.setattr(NumbaBackend, "_new", poisoned)
+    monkeypatch.setattr(NumbaBackend, "_scratch", poisoned)

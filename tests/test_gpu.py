@@ -34,14 +34,17 @@ def _poison(cp, nbytes):
     del block
 
 
+@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype):
+def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype, backend):
+    if backend == "numba-simt" and dtype == "float32":
+        pytest.skip("numba runs the SIMT kernels for float32: the same case as backend numba")
     q, k, v, dout = _inputs(cp, rng, shape, dtype)
     scale = shape[-1] ** -0.5
     _poison(cp, 16 * q.nbytes)
-    out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+    out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
     assert isinstance(out, cp.ndarray) and out.dtype == q.dtype and lse.dtype == cp.float32
     ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
     base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
@@ -51,11 +54,86 @@ def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype):
     out_in = cp.ascontiguousarray(ref_out.astype(dtype))
     lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
     _poison(cp, 16 * q.nbytes)
-    grads = numba_flash.backward(dout, q, k, v, out_in, lse_in, causal=causal, backend="numba")
+    grads = numba_flash.backward(dout, q, k, v, out_in, lse_in, causal=causal, backend=backend)
     refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, "float64")
     bases = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
+
+
+MMA_SHAPES = [  # head dims 24 and 80 run padded to 32 and 96
+    (2, 1024, 1024, 4, 64),
+    (1, 777, 2049, 2, 128),
+    (1, 2049, 777, 3, 24),
+    (1, 300, 300, 2, 80),
+]
+
+
+def _host(x):
+    if type(x).__module__.startswith("torch"):
+        return x.detach().float().cpu().numpy()
+    return x.get()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tensor_core_backend_on_gpu(cp, rng, shape, causal, dtype):
+    """numba-mma through the API: CuPy float16 in, CuPy out; torch bfloat16 in, torch out."""
+    from numba_flash.testing import plain16_backward, plain16_forward, round16
+    values = [round16(cp, x, dtype) for x in _inputs(cp, rng, shape, "float32")]
+    if dtype == "float16":
+        arrays = [x.astype(cp.float16) for x in values]
+    else:
+        torch = pytest.importorskip("torch")
+        arrays = [torch.from_dlpack(x).to(torch.bfloat16) for x in values]
+    q, k, v, dout = values
+    scale = shape[-1] ** -0.5
+    _poison(cp, 16 * q.nbytes)
+    out, lse = numba_flash.forward(*arrays[:3], causal=causal, backend="numba-mma")
+    assert type(out) is type(arrays[0]) and out.dtype == arrays[0].dtype
+    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
+    base_out, base_lse = plain16_forward(cp, q, k, v, causal, scale, dtype)
+    assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), dtype)
+
+    out_in = round16(cp, ref_out, dtype)
+    lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
+    if dtype == "float16":
+        out_arg, lse_arg = out_in.astype(cp.float16), lse_in
+    else:
+        out_arg, lse_arg = torch.from_dlpack(out_in).to(torch.bfloat16), torch.from_dlpack(lse_in)
+    _poison(cp, 16 * q.nbytes)
+    grads = numba_flash.backward(arrays[3], *arrays[:3], out_arg, lse_arg, causal=causal,
+                                 backend="numba-mma")
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, "float64")
+    bases = plain16_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, _host(got), base.get(), ref.get(), dtype)
+
+
+def test_tensor_core_backend_reads_strided_and_misaligned_views(cp, rng):
+    """A slice of a packed qkv array (rows aligned: read in place) and views whose rows are not
+    16-byte aligned (copied first) give the reference's result."""
+    batch, seqlen, nheads, headdim = 2, 500, 3, 64
+    packed = cp.asarray(rng.standard_normal((batch, seqlen, nheads, 3, headdim + 1)),
+                        cp.float16)
+    for start in (0, 1):  # start 1: every row begins 2 bytes past a 16-byte boundary
+        q, k, v = (packed[:, :, :, i, start:start + headdim] for i in range(3))
+        for causal in (False, True):
+            out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba-mma")
+            ref_out, _ = attention_forward(cp, q, k, v, causal, headdim ** -0.5, "float64")
+            base_out, _ = attention_forward(cp, q, k, v, causal, headdim ** -0.5, "float16")
+            assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), "float16")
+            dout = cp.ascontiguousarray(q[:, :, :, ::-1])
+            grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
+                                         backend="numba-mma")
+            refs = attention_backward(cp, dout, q, k, v, out, lse, causal, headdim ** -0.5,
+                                      "float64")
+            bases = attention_backward(cp, dout, q, k, v, out, lse, causal, headdim ** -0.5,
+                                       "float16")
+            for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+                assert_within_rule(name, got.get(), base.get(), ref.get(), "float16")
 
 
 def test_cupy_backend_matches_reference(cp, rng):

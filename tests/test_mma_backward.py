@@ -9,29 +9,7 @@ from test_mma_forward import decode, encode
 from numba_flash.backends.numba_mma_bwd import launch_mma_backward
 from numba_flash.config import MmaBackwardConfig
 from numba_flash.standard_attention import attention_backward, attention_forward
-
-
-def round16(x, dtype):
-    return decode(encode(np.asarray(x, np.float32), dtype)[0], dtype)
-
-
-def plain_backward(dout, q, k, v, out, lse, causal, scale, dtype):
-    """Standard attention's backward as a 16-bit implementation computes it: float32 products,
-    P and dS rounded to the 16-bit type before they enter a matmul, gradients rounded."""
-    s = np.einsum("bqhd,bkhd->bhqk", q, k).astype(np.float32) * np.float32(scale)
-    if causal:
-        nq, nk = q.shape[1], k.shape[1]
-        s = np.where(np.arange(nk)[None] > np.arange(nq)[:, None] + nk - nq, -np.inf, s)
-    lse_safe = np.where(np.isneginf(lse), np.inf, lse)[..., None]
-    p = np.exp(s - lse_safe)
-    delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
-    dp = np.einsum("bqhd,bkhd->bhqk", dout, v)
-    ds = round16(p * (dp - delta), dtype)
-    p = round16(p, dtype)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    return tuple(round16(x, dtype) for x in (dq, dk, dv))
+from numba_flash.testing import plain16_backward
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 1, 32)]
@@ -60,6 +38,6 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
     launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
                         dtype == "bfloat16", config=config)
     refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
-    bases = plain_backward(do, q, k, v, out, lse, causal, scale, dtype)
+    bases = plain16_backward(np, do, q, k, v, out, lse, causal, scale, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, decode(got, dtype), base, ref, "float16")

@@ -8,16 +8,7 @@ from inputs import simulator_and_gpu_cases
 from numba_flash.backends.numba_mma_fwd import launch_mma_forward
 from numba_flash.config import MmaConfig
 from numba_flash.standard_attention import attention_forward
-
-
-
-def to_bf16_bits(x):
-    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
-
-
-def from_bf16_bits(bits):
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+from numba_flash.testing import bf16_bits, bf16_values, plain16_forward
 
 
 def encode(x, dtype):
@@ -25,27 +16,12 @@ def encode(x, dtype):
     if dtype == "float16":
         half = x.astype(np.float16)
         return half.view(np.uint16), half.astype(np.float32)
-    bits = to_bf16_bits(x)
-    return bits, from_bf16_bits(bits)
+    bits = bf16_bits(np, x)
+    return bits, bf16_values(np, bits)
 
 
 def decode(bits, dtype):
-    return bits.view(np.float16).astype(np.float32) if dtype == "float16" else from_bf16_bits(bits)
-
-
-def plain_baseline(q, k, v, causal, scale, dtype):
-    """Standard attention as a 16-bit implementation computes it: float32 scores and softmax,
-    P rounded to the 16-bit type before P·V, the output rounded."""
-    s = np.einsum("bqhd,bkhd->bhqk", q, k).astype(np.float32) * np.float32(scale)
-    if causal:
-        nq, nk = q.shape[1], k.shape[1]
-        s = np.where(np.arange(nk)[None] > np.arange(nq)[:, None] + nk - nq, -np.inf, s)
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - np.where(np.isneginf(m), 0, m))
-    l = p.sum(-1, keepdims=True)
-    p16 = decode(encode(p, dtype)[0], dtype)
-    out = np.einsum("bhqk,bkhd->bqhd", p16, v) / np.where(l == 0, 1, l).transpose(0, 2, 1, 3)
-    return decode(encode(out.astype(np.float32), dtype)[0], dtype)
+    return bits.view(np.float16).astype(np.float32) if dtype == "float16" else bf16_values(np, bits)
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 32), (1, 5, 40, 1, 128)]
@@ -71,7 +47,7 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype):
     config = MmaConfig(block_n=32, warps=2) if mode == "simulator" else None
     launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
     ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out = plain_baseline(q, k, v, causal, scale, dtype)
+    base_out, _ = plain16_forward(np, q, k, v, causal, scale, dtype)
     assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite)

@@ -1,0 +1,123 @@
+"""Time candidate tile configs of the tensor-core kernels side by side on one GPU.
+
+Each candidate is checked against float64 standard attention (first batch entry) and timed
+with CUDA events (median of 7). Candidates that do not compile (e.g. more than 48 KiB of static
+shared memory) are reported and skipped. Used to choose the entries of numba_flash/config.py.
+
+    python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
+"""
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+import harness
+
+FORWARD = {  # head_dim -> [(block_n, warps)]
+    64: [(64, 4), (32, 4), (128, 4), (64, 8), (32, 8), (64, 2)],
+    128: [(32, 4), (16, 4), (64, 2), (32, 8), (32, 2), (16, 8)],
+}
+BACKWARD = {  # head_dim -> [(block_m, block_n, warps)]
+    64: [(32, 64, 4), (64, 64, 4), (32, 32, 4), (16, 64, 4), (64, 32, 2), (32, 64, 8)],
+    128: [(16, 16, 4), (32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 16, 2), (16, 16, 8)],
+}
+
+
+def median_ms(cp, run, repeats=7):
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=16384)
+    args = parser.parse_args(argv)
+    reason = harness.gpu_ready()
+    if reason:
+        print(f"tune_mma.py needs a CUDA GPU and CuPy ({reason})")
+        return 2
+    import cupy as cp
+    from numba import cuda
+
+    from numba_flash.backends.numba_mma_bwd import launch_mma_backward
+    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
+    from numba_flash.config import MmaBackwardConfig, MmaConfig
+    from numba_flash.standard_attention import attention_backward, attention_forward
+    rng = np.random.default_rng(0)
+    n, causal = args.seqlen, args.causal
+    for head_dim in args.head_dims:
+        batch, nheads = max(1, args.tokens // n), 2048 // head_dim
+        q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
+        scale = head_dim ** -0.5
+        first = slice(0, 1)
+        ref_out, ref_lse = attention_forward(cp, q[first], k[first], v[first], causal, scale,
+                                             "float64")
+        work = 4.0 * batch * nheads * n * n * head_dim / (2.0 if causal else 1.0)
+        bits = [cuda.as_cuda_array(x.view(cp.uint16), sync=False) for x in (q, k, v, dout)]
+        tag = f"d{head_dim} N{n} {'causal' if causal else 'full'}"
+        if "fwd" in args.passes:
+            for shape in FORWARD[head_dim]:
+                out = cp.full(q.shape, cp.nan, q.dtype)
+                lse = cp.empty((batch, nheads, n), cp.float32)
+                views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
+                                    for x in (out.view(cp.uint16), lse)]
+
+                def run():
+                    launch_mma_forward(*views, causal, scale, False, 0, MmaConfig(*shape))
+                try:
+                    run()
+                except Exception as exc:
+                    print(f"fwd {tag} {shape}: does not build ({type(exc).__name__}: "
+                          f"{str(exc)[:100]})", flush=True)
+                    continue
+                error = float(cp.abs(out[first].astype(cp.float64) - ref_out).max())
+                ms = median_ms(cp, run)
+                print(f"fwd {tag} (block_n, warps)={shape}: {work / ms / 1e9:6.1f} TFLOP/s  "
+                      f"max error {error:.2e}", flush=True)
+        if "bwd" in args.passes:
+            out = cp.empty(q.shape, q.dtype)
+            lse = cp.empty((batch, nheads, n), cp.float32)
+            views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
+                                for x in (out.view(cp.uint16), lse)]
+            launch_mma_forward(*views, causal, scale, False, 0)
+            ref = attention_backward(cp, dout[first], q[first], k[first], v[first], out[first],
+                                     lse[first], causal, scale, "float64")
+            for shape in BACKWARD[head_dim]:
+                grads = [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)]
+                delta = cp.empty_like(lse)
+                gviews = [cuda.as_cuda_array(x, sync=False)
+                          for x in [dout.view(cp.uint16), q.view(cp.uint16), k.view(cp.uint16),
+                                    v.view(cp.uint16), out.view(cp.uint16), lse, delta]
+                          + [g.view(cp.uint16) for g in grads]]
+
+                def run():
+                    launch_mma_backward(*gviews, causal, scale, False, 0,
+                                        MmaBackwardConfig(*shape))
+                try:
+                    run()
+                except Exception as exc:
+                    print(f"bwd {tag} {shape}: does not build ({type(exc).__name__}: "
+                          f"{str(exc)[:100]})", flush=True)
+                    continue
+                error = max(float(cp.abs(g[first].astype(cp.float64) - r).max())
+                            for g, r in zip(grads, ref))
+                ms = median_ms(cp, run)
+                print(f"bwd {tag} (block_m, block_n, warps)={shape}: "
+                      f"{2.5 * work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
