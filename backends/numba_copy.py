@@ -11,7 +11,7 @@ THREADS = 256
 MAX_BLOCKS = 4096  # grid-stride beyond this: enough blocks to fill any current GPU
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _copy_padded_kernel(src, dst):
     batch, seqlen, nheads, width = dst.shape
     src_width = src.shape[3]

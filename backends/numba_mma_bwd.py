@@ -215,9 +215,10 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
 
 @functools.lru_cache(maxsize=None)
 def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16):
-    return (cuda.jit(mma_delta_kernel_function(head_dim, bf16)),
-            cuda.jit(mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16)),
-            cuda.jit(mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16)))
+    functions = (mma_delta_kernel_function(head_dim, bf16),
+                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16),
+                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16))
+    return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
 def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,

@@ -226,7 +226,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
 
 @functools.lru_cache(maxsize=None)
 def mma_forward_kernel(block_n, warps, head_dim, causal, bf16):
-    return cuda.jit(mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16))
+    return cuda.jit(mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16), cache=True)
 
 
 def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0, config=None):

@@ -229,7 +229,8 @@ def backward_kernel_functions(config, head_dim, causal):
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(config, head_dim, causal):
-    return tuple(cuda.jit(fn) for fn in backward_kernel_functions(config, head_dim, causal))
+    functions = backward_kernel_functions(config, head_dim, causal)
+    return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
 def launch_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,

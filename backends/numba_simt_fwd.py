@@ -151,7 +151,7 @@ def forward_kernel_function(config, head_dim, causal):
 @functools.lru_cache(maxsize=None)
 def forward_kernel(config, head_dim, causal):
     """The compiled (lazily specialised on argument types) forward kernel."""
-    return cuda.jit(forward_kernel_function(config, head_dim, causal))
+    return cuda.jit(forward_kernel_function(config, head_dim, causal), cache=True)
 
 
 def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None):

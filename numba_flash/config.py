@@ -119,12 +119,14 @@ class MmaConfig:
         return 16 * self.warps
 
 
-# Sized with `ptxas -v` for sm_90 (scripts/ptx_check.py): no spills and at most 48 KiB of static
-# shared memory (d64: 240 registers, 27 KiB; d128: 248 registers, 34 KiB). Not yet timed on a
-# GPU. Head dims that are not multiples of 16, or above 128, have no tensor-core config.
+# Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention
+# (docs/PERFORMANCE.md): d64 (64, 8) 159 TFLOP/s against 144 for (64, 4) and 118 for (128, 4);
+# d128 (32, 8) 138 against 124 for (32, 4). ptxas (scripts/ptx_check.py): no spills, at most
+# 48 KiB of static shared memory. Head dims up to 64 use the d64 entry, up to 128 the d128 one;
+# head dims that are not multiples of 16 run padded; above 128 there is no tensor-core config.
 _MMA_FORWARD = (
-    (64, MmaConfig(block_n=64, warps=4)),
-    (128, MmaConfig(block_n=32, warps=4)),
+    (64, MmaConfig(block_n=64, warps=8)),
+    (128, MmaConfig(block_n=32, warps=8)),
 )
 
 
@@ -143,11 +145,12 @@ class MmaBackwardConfig:
     warps: int
 
 
-# Sized with `ptxas -v` for sm_90: no spills, at most 48 KiB of static shared memory (d64: dk/dv
-# 230 registers, 27 KiB; dq 222, 36 KiB. d128: dk/dv 251, 43 KiB; dq 212, 43 KiB). Not yet timed.
+# Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention:
+# d64 (64, 64, 4) 108 TFLOP/s against 89 for (32, 64, 4) and 92 for (32, 64, 8); d128
+# (32, 32, 4) 87 against 77 for (16, 16, 4) and 84 for (16, 32, 4). No spills (ptxas).
 _MMA_BACKWARD = (
-    (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4)),
-    (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
+    (64, MmaBackwardConfig(block_m=64, block_n=64, warps=4)),
+    (128, MmaBackwardConfig(block_m=32, block_n=32, warps=4)),
 )
 
 

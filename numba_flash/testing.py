@@ -74,7 +74,7 @@ def plain16_forward(xp, q, k, v, causal, scale, dtype):
     l = p.sum(-1, keepdims=True)
     out = xp.einsum("bhqk,bkhd->bqhd", round16(xp, p, dtype), v)
     out = out / xp.where(l == 0, xp.float32(1), l).transpose(0, 2, 1, 3)
-    lse = (m + xp.log(l))[..., 0]
+    lse = xp.where(l == 0, xp.float32(-xp.inf), m + xp.log(xp.where(l == 0, 1, l)))[..., 0]
     return round16(xp, out, dtype), lse
 
 

@@ -59,10 +59,11 @@ class Timer:
         return statistics.median(times)
 
 
-def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype):
+def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
+                 numba_flash_backends=NUMBA_FLASH_BACKENDS):
     """{name: fn(i) running one call on input set i}, for every implementation that applies."""
     runners = {}
-    for name in NUMBA_FLASH_BACKENDS:
+    for name in numba_flash_backends:
         if name == "numba-simt" and dtype == "float32":
             continue  # "numba" runs the SIMT kernels for float32 already
         def run(i, name=name):
@@ -114,7 +115,7 @@ def random_inputs(cp, torch, rng, shape, dtype):
 
 
 def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causal, passes,
-               tokens, model_dim):
+               tokens, model_dim, backends=NUMBA_FLASH_BACKENDS):
     batch = max(1, tokens // seqlen)
     nheads = max(1, model_dim // headdim)
     shape = (batch, seqlen, seqlen, nheads, headdim)
@@ -125,8 +126,9 @@ def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causa
     row = {"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
            "nheads": nheads, "causal": causal, "passes": passes, "results": {}}
     q, k, v, _ = inputs[0]
-    for name, fn in make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype).items():
-        if name in NUMBA_FLASH_BACKENDS:
+    runners = make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype, backends)
+    for name, fn in runners.items():
+        if name in backends:
             reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
             if reason:
                 row["results"][name] = {"skipped": reason}
@@ -203,6 +205,8 @@ def main(argv=None):
     parser.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
     parser.add_argument("--model-dim", type=int, default=2048, help="nheads x headdim")
+    parser.add_argument("--backends", nargs="+", default=list(NUMBA_FLASH_BACKENDS),
+                        help="numba_flash backends to time")
     parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--plot", help="write a PNG plot here")
@@ -234,7 +238,7 @@ def main(argv=None):
         print(f"[{index}/{len(cases)}] {passes} {dtype} d{headdim} N{seqlen} "
               f"{'causal' if causal else 'full'} ...", file=sys.stderr, flush=True)
         rows.append(bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen,
-                               causal, passes, args.tokens, args.model_dim))
+                               causal, passes, args.tokens, args.model_dim, args.backends))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh bench    # scripts/bench.py, forward, fp32 + fp16, d64 + d128
 #   bash scripts/gpu_check.sh api      # pytest -m gpu, the backend-level tests only
 #   bash scripts/gpu_check.sh tune     # scripts/tune_mma.py, fwd + bwd, d64 + d128, N = 4096
+#   bash scripts/gpu_check.sh reliability  # compute-sanitizer memcheck + racecheck on every
+#                                      # kernel, then scripts/reliability.py repeat long jit
 # Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
 # numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
 set -uo pipefail
@@ -14,8 +16,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt"
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$OUT/env.txt"
 status=0
 for stage in "$@"; do
     case "$stage" in
@@ -29,14 +31,28 @@ for stage in "$@"; do
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
         tune)
             timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;
+        reliability)
+            sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+                        2>/dev/null | head -1)
+            for tool in memcheck racecheck; do
+                echo "== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
+                timeout "${SANITIZE_TIMEOUT:-240}" "$sanitizer" --tool "$tool" --error-exitcode 9 \
+                    python3 scripts/reliability.py sanitize >> "$OUT/sanitizer.log" 2>&1 \
+                    || status=1
+                tail -3 "$OUT/sanitizer.log"
+            done
+            timeout "${RELIABILITY_TIMEOUT:-240}" python3 scripts/reliability.py repeat long jit 2>&1 \
+                | tee "$OUT/reliability.log" || status=1 ;;
         verify)
-            timeout 560 python3 scripts/verify.py 2>&1 | tee "$OUT/verify.log" \
+            timeout "${VERIFY_TIMEOUT:-560}" python3 scripts/verify.py ${VERIFY_ARGS:-} 2>&1 \
+                | tee "$OUT/verify.log" \
                 | grep -E "FAIL|N65536|passed" || status=1 ;;
         bench)
-            timeout 560 python3 scripts/bench.py --dtypes float32 float16 --head-dims 64 128 \
-                --seqlens 1024 4096 16384 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+            timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py ${BENCH_ARGS:---dtypes \
+                float32 float16 --head-dims 64 128 --seqlens 1024 4096 16384} \
+                --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
-        *) echo "unknown stage $stage (tests, api, tune, verify, bench)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, api, tune, reliability, verify, bench)"; exit 2 ;;
     esac
 done
 exit $status

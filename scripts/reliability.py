@@ -1,0 +1,163 @@
+"""GPU reliability checks for docs/RELIABILITY.md (run on a CUDA machine with CuPy and torch).
+
+    python scripts/reliability.py sanitize   # every kernel at odd sizes (run it under
+                                             #   compute-sanitizer --tool memcheck / racecheck)
+    python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
+    python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
+    python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
+Several modes may be given; each prints its findings and the script exits 1 on a failure.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import harness
+
+SANITIZE_SHAPES = [(2, 65, 17, 1, 64)]
+
+
+def _arrays(cp, torch, rng, shape, dtype):
+    """q, k, v, dout of `shape` (batch, seqlen_q, seqlen_k, nheads, headdim) in dtype: CuPy
+    arrays, or torch tensors for bfloat16."""
+    values = harness.random_inputs(cp, rng, *shape, "float32" if dtype == "bfloat16" else dtype)
+    if dtype == "bfloat16":
+        return [torch.from_dlpack(x).to(torch.bfloat16) for x in values]
+    return values
+
+
+def sanitize(numba_flash, cp, torch):
+    """Every kernel once per odd shape, causal and not: SIMT (float32, float16), tensor cores
+    (float16, bfloat16; head dim 24 padded), the copy kernel (a misaligned strided view)."""
+    rng = np.random.default_rng(0)
+    calls = 0
+    for shape in SANITIZE_SHAPES:
+        for backend, dtype in (("numba-simt", "float32"), ("numba-simt", "float16"),
+                               ("numba-mma", "float16"), ("numba-mma", "bfloat16")):
+            q, k, v, dout = _arrays(cp, torch, rng, shape, dtype)
+            if numba_flash.get_backend(backend).supports(q, k, v):
+                continue  # e.g. head dim 256 on the tensor cores
+            for causal in (False, True):
+                out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
+                numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
+                calls += 2
+    packed = cp.asarray(rng.standard_normal((1, 45, 2, 3, 65)), cp.float16)
+    q, k, v = (packed[:, :, :, i, 1:] for i in range(3))  # rows 2 bytes off 16-byte alignment
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba-mma")
+    numba_flash.backward(q, q, k, v, out, lse, causal=True, backend="numba-mma")
+    cp.cuda.Device().synchronize()
+    print(f"sanitize: {calls + 2} calls done")
+    return True
+
+
+def device_memory_used(cp):
+    cp.cuda.Device().synchronize()
+    free, total = cp.cuda.runtime.memGetInfo()
+    return total - free
+
+
+def repeat(numba_flash, cp, torch, calls=1000):
+    """1,000 forward+backward calls per engine; device memory in use after call 10 and after
+    the last must be the same (CuPy's pool caches blocks, so a leak would show as growth)."""
+    rng = np.random.default_rng(1)
+    ok = True
+    for backend, dtype in (("numba", "float16"), ("numba", "float32"), ("numba", "bfloat16")):
+        q, k, v, dout = _arrays(cp, torch, rng, (2, 500, 500, 4, 64), dtype)
+        pool = cp.get_default_memory_pool()
+        for i in range(calls):
+            out, lse = numba_flash.forward(q, k, v, causal=True, backend=backend)
+            grads = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
+            if i == 9:
+                used_10, pool_10 = device_memory_used(cp), pool.used_bytes()
+        del out, lse, grads
+        used, pool_used = device_memory_used(cp), pool.used_bytes()
+        grew = used - used_10
+        ok &= grew <= 0
+        print(f"repeat {dtype}: device memory in use after call 10 {used_10 / 2**20:.1f} MiB, "
+              f"after call {calls} {used / 2**20:.1f} MiB (growth {grew / 2**20:+.1f} MiB); "
+              f"CuPy pool in use {pool_10 / 2**20:.1f} -> {pool_used / 2**20:.1f} MiB")
+    return ok
+
+
+def long(numba_flash, cp, torch):
+    """Forward at N = 262,144 through verify.py's long-sequence check (sampled rows against
+    float64), with its peak extra memory against the O(N^2) bytes of standard attention."""
+    import verify
+    table = verify.Table()
+    rng = np.random.default_rng(2)
+    shape = (1, 262144, 262144, 8, 64)
+    for causal in (False, True):
+        verify.verify_long(table, numba_flash, cp, rng, causal, shape)
+    batch, seqlen_q, seqlen_k, nheads, _ = shape
+    scores = batch * nheads * seqlen_q * seqlen_k
+    print(f"long: standard attention would hold B*H*Nq*Nk = {scores:.3g} scores: "
+          f"{scores * 4 / 2**40:.1f} TiB in float32")
+    return table.failures == 0
+
+
+FIRST_CALL = """
+import time, sys
+start = time.perf_counter()
+import cupy as cp, numba_flash
+q, k, v = (cp.asarray(cp.random.standard_normal((1, 256, 4, 64)), dtype=DTYPE) for _ in range(3))
+imported = time.perf_counter()
+out, lse = numba_flash.forward(q, k, v, causal=True)
+numba_flash.backward(q, q, k, v, out, lse, causal=True)
+cp.cuda.Device().synchronize()
+print(f"{imported - start:.2f} {time.perf_counter() - imported:.2f}")
+"""
+
+
+def jit(numba_flash, cp, torch):
+    """First forward+backward call in a fresh process: with an empty on-disk cache, then with
+    the cache the first process wrote (NUMBA_CACHE_DIR)."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+        for dtype in ("cp.float16", "cp.float32"):
+            times = []
+            for label in ("cold cache", "warm cache"):
+                result = subprocess.run([sys.executable, "-c", FIRST_CALL.replace("DTYPE", dtype)],
+                                        env=env, capture_output=True, text=True, check=False)
+                if result.returncode:
+                    print(result.stderr[-2000:])
+                    return False
+                import_s, call_s = (float(x) for x in result.stdout.split()[-2:])
+                times.append(call_s)
+                print(f"jit {dtype[3:]}: {label}: import {import_s:.2f} s, first forward+backward "
+                      f"{call_s:.2f} s")
+            files = sum(len(f) for _, _, f in os.walk(cache_dir))
+            print(f"jit {dtype[3:]}: the warm cache saved {times[0] - times[1]:.2f} s "
+                  f"({files} files in the cache)")
+    return True
+
+
+MODES = {"sanitize": sanitize, "repeat": repeat, "long": long, "jit": jit}
+
+
+def main(argv=None):
+    modes = (argv if argv is not None else sys.argv[1:]) or list(MODES)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+        return 2
+    reason = harness.gpu_ready()
+    if reason:
+        print(f"reliability.py needs a CUDA GPU and CuPy ({reason})")
+        return 2
+    import cupy as cp
+    import torch
+
+    import numba_flash
+    ok = True
+    for mode in modes:
+        start = time.perf_counter()
+        ok &= bool(MODES[mode](numba_flash, cp, torch))
+        print(f"{mode}: {time.perf_counter() - start:.1f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The three Numba backends: which kernels each picks, and the tensor-core path through the
+public API (16-bit views, padded head dims, copies of views the kernels cannot read in place)."""
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+from inputs import random_qkv
+
+import numba_flash
+from numba_flash.backends import numba_backend
+from numba_flash.backends.numba_backend import MMA, SIMT, is_tile_ready, mma_head_dim
+from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.testing import plain16_backward, plain16_forward, round16
+
+
+def test_numba_uses_simt_in_the_simulator_and_numba_mma_tensor_cores(rng):
+    q, k, v = random_qkv(rng, 1, 4, 4, 1, 16, "float16")
+    assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
+    assert numba_flash.get_backend("numba-mma").engine(q) == (MMA, None)
+    assert numba_flash.get_backend("numba-simt").engine(q) == (SIMT, None)
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """Pretend the arrays are on a GPU of a given compute capability."""
+    def set_capability(cc):
+        monkeypatch.setattr(numba_backend, "simulator_enabled", lambda: False)
+        monkeypatch.setattr(numba_backend, "compute_capability", lambda device: cc)
+        monkeypatch.setattr(numba_backend._arrays, "device_id", lambda x: 0)
+    return set_capability
+
+
+def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
+    on_a_gpu((9, 0))
+    numba = numba_flash.get_backend("numba")
+    q16, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float16")
+    q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float32")
+    wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")
+    assert numba.engine(q16) == (MMA, None)
+    assert numba.engine(q32) == (SIMT, None)  # float32: tensor cores are for 16-bit types
+    assert numba.engine(wide) == (SIMT, None)  # headdim 200: no tensor-core config
+    engine, reason = numba_flash.get_backend("numba-mma").engine(wide)
+    assert engine is None and "headdim <= 128, not 200" in reason
+
+
+def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
+    torch = pytest.importorskip("torch")
+    on_a_gpu((7, 5))
+    q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
+    assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
+    engine, reason = numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16())
+    assert engine is None
+    assert "need compute capability 8.0 or newer; this GPU has 7.5" in reason
+    assert "SIMT kernels take float16 or float32, not bfloat16" in reason
+
+
+def test_bfloat16_in_the_simulator_points_to_numba_mma(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x).bfloat16() for x in random_qkv(rng, 1, 4, 4, 1, 16,
+                                                                 "float32"))
+    with pytest.raises(ValueError, match="only backend 'numba-mma' runs the tensor-core"):
+        numba_flash.forward(q, k, v, backend="numba")
+
+
+def test_mma_head_dims():
+    assert [mma_head_dim(d) for d in (1, 16, 24, 40, 80, 128)] == [16, 16, 32, 48, 80, 128]
+    assert mma_head_dim(129) is None and mma_head_dim(256) is None
+
+
+def test_is_tile_ready_wants_unit_stride_and_16_byte_aligned_rows(rng):
+    packed = rng.standard_normal((1, 8, 2, 3, 33)).astype(np.float16).view(np.uint16)
+    assert is_tile_ready(np.ascontiguousarray(packed[..., 0, :32]), 32)
+    assert not is_tile_ready(packed[..., 0, :32], 32)  # rows 3*33*2 = 198 bytes apart
+    aligned = np.zeros((1, 8, 2, 3, 40), np.uint16)
+    assert is_tile_ready(aligned[..., 1, :32], 32)  # a packed-qkv slice: read in place
+    assert not is_tile_ready(aligned[..., 1, 1:33], 32)  # starts 2 bytes past a boundary
+    assert not is_tile_ready(aligned[..., 1, :24], 32)  # narrower than the kernel's head dim
+    assert not is_tile_ready(aligned[..., 1, ::2][..., :16], 16)  # no unit stride
+
+
+def _encode(values, dtype):
+    """float32 values (already representable) as the caller's arrays of dtype."""
+    if dtype == "float16":
+        return values.astype(np.float16)
+    import torch
+    return torch.from_numpy(values).to(torch.bfloat16)
+
+
+def _host(x):
+    return x.float().numpy() if type(x).__module__.startswith("torch") else np.asarray(x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 9, 20, 2, 16), (1, 21, 7, 1, 24)],
+                         ids=["d16", "d24-padded"])
+def test_numba_mma_through_the_api(rng, poisoned_outputs, shape, dtype):
+    if dtype == "bfloat16":
+        pytest.importorskip("torch")
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    causal, scale = True, head_dim ** -0.5
+    q, k, v, dout = (round16(np, x, dtype) for x in
+                     random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, "float32")
+                     + (rng.standard_normal((batch, seqlen_q, nheads, head_dim)),))
+    args = [_encode(x, dtype) for x in (q, k, v)]
+    out, lse = numba_flash.forward(*args, causal=causal, backend="numba-mma")
+    assert type(out) is type(args[0]) and out.dtype == args[0].dtype
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    base_out, base_lse = plain16_forward(np, q, k, v, causal, scale, dtype)
+    assert_within_rule("out", _host(out), base_out, ref_out, dtype)
+    assert_within_rule("lse", _host(lse), base_lse, ref_lse, dtype)
+    out_values = _host(out)
+    grads = numba_flash.backward(_encode(dout, dtype), *args, out, lse, causal=causal,
+                                 backend="numba-mma")
+    refs = attention_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale,
+                              np.float64)
+    bases = plain16_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert type(got) is type(args[0]) and got.shape == ref.shape
+        assert_within_rule(name, _host(got), base, ref, dtype)
