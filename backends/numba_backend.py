@@ -3,7 +3,8 @@
 Two kernel families ("engines") serve them:
   - tensor cores (backends/numba_mma_*.py): float16 and bfloat16 on GPUs of compute capability
     8.0 or newer, head dims up to 128 (padded to a multiple of 16);
-  - SIMT (backends/numba_simt_*.py): float32 and float16 on any GPU, head dims up to 256.
+  - SIMT (backends/numba_simt_*.py): float32, float16 and bfloat16 on any GPU, head dims up
+    to 256 (float32 arithmetic throughout).
 "numba" picks the first engine that can run a call, in that order; "numba-mma" and
 "numba-simt" use one engine only (for comparisons, benchmarks and tests).
 
@@ -122,8 +123,8 @@ class NumbaBackend(Backend):
 
     def _simt_reason(self, q):
         dtype = _arrays.dtype_name(q)
-        if dtype not in ("float16", "float32"):
-            return f"the SIMT kernels take float16 or float32, not {dtype}"
+        if dtype not in ("float16", "bfloat16", "float32"):
+            return f"the SIMT kernels take float16, bfloat16 or float32, not {dtype}"
         return None
 
     def engine(self, q):
@@ -205,8 +206,9 @@ class NumbaBackend(Backend):
                     self._mma_forward(q, k, v, out, lse, causal, softmax_scale, stream)
                 else:
                     from .numba_simt_fwd import launch_forward
-                    views = [self._view(x) for x in (q, k, v, out, lse)]
-                    launch_forward(*views, causal, softmax_scale, stream)
+                    bf16 = dtype == "bfloat16"  # passed as bit patterns
+                    views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
+                    launch_forward(*views, causal, softmax_scale, stream, bf16=bf16)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
@@ -225,8 +227,11 @@ class NumbaBackend(Backend):
                                        softmax_scale, stream)
                 else:
                     from .numba_simt_bwd import launch_backward
-                    views = [self._view(x) for x in [dout, q, k, v, out, lse, delta] + grads]
-                    launch_backward(*views, causal, softmax_scale, stream)
+                    bf16 = dtype == "bfloat16"  # passed as bit patterns
+                    views = ([self._view(x, bf16) for x in (dout, q, k, v, out)]
+                             + [self._view(lse), self._view(delta)]
+                             + [self._view(g, bf16) for g in grads])
+                    launch_backward(*views, causal, softmax_scale, stream, bf16=bf16)
         return tuple(grads)
 
     # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
@@ -285,5 +290,5 @@ class NumbaMmaBackend(NumbaBackend):
 
 class NumbaSimtBackend(NumbaBackend):
     name = "numba-simt"
-    dtypes = ("float16", "float32")
+    dtypes = ("float16", "bfloat16", "float32")
     engines = (SIMT,)

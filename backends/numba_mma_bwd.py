@@ -1,7 +1,8 @@
 """FlashAttention backward on tensor cores (mma.sync m16n8k16), deterministic, in Numba.
 
-STATUS: runs correctly under the CUDA simulator (tests/test_mma_backward.py) and compiles for
-sm_80/sm_90; not yet run on a GPU, so no backend uses it yet (issue 3).
+Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
+(backends/numba_backend.py). Checked against float64 under the simulator and on an H200
+(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py).
 
 Same math and the same three launches as the SIMT backward (backends/numba_simt_bwd.py), with
 P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse, and no atomics:
@@ -18,30 +19,22 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, uint16
 
 from numba_flash.config import mma_backward_config
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait,
-                                    unpack_bf16x2, unpack_f16x2)
+from numba_flash.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait
 
+from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
 from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
                               make_warp_scores, make_warp_store)
 
 
-def _f16_bits_to_float32(bits):
-    return unpack_f16x2(uint32(bits))[0]
-
-
-def _bf16_bits_to_float32(bits):
-    return unpack_bf16x2(uint32(bits))[0]
-
-
 def mma_delta_kernel_function(head_dim, bf16):
     """The delta kernel of the SIMT backward, reading 16-bit patterns."""
     return delta_kernel_function(head_dim,
-                                 _bf16_bits_to_float32 if bf16 else _f16_bits_to_float32)
+                                 bf16_bits_to_float32 if bf16 else f16_bits_to_float32)
 
 
 @functools.lru_cache(maxsize=None)

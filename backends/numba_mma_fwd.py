@@ -1,7 +1,8 @@
 """FlashAttention forward on tensor cores (mma.sync m16n8k16), FA2 work partition, in Numba.
 
-STATUS: runs correctly under the CUDA simulator (tests/test_mma_forward.py) and compiles for
-sm_80/sm_90; not yet run on a GPU, so no backend uses it yet (issue 3).
+Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
+(backends/numba_backend.py). Checked against float64 under the simulator and on an H200
+(tests/test_mma_forward.py, tests/test_gpu.py, scripts/verify.py).
 
 One block of WARPS warps per (query tile of BLOCK_M = 16·WARPS rows, head, batch); warp w owns
 query rows 16w..16w+15 of the tile. K and V tiles of BLOCK_N keys are shared by the warps.
@@ -32,7 +33,6 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
-
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ from numba import cuda, float32
 from numba_flash.config import simt_backward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
+from .numba_bits16 import bf16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
                           row_stride)
@@ -31,10 +32,9 @@ DELTA_THREADS = 128
 @functools.lru_cache(maxsize=None)
 def delta_kernel_function(head_dim, to_float32=float32):
     """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], one thread per row.
-    `to_float32` turns one array element into float32 (the tensor-core kernels pass a decoder
-    of 16-bit patterns)."""
-    convert = cuda.jit(device=True, inline="always")(to_float32) if to_float32 is not float32 \
-        else float32
+    `to_float32` turns one array element into float32: a decoder from numba_bits16 for arrays
+    of 16-bit patterns."""
+    convert = to_float32
 
     def flash_bwd_delta(dout, out, delta):
         row = cuda.blockIdx.x * DELTA_THREADS + cuda.threadIdx.x
@@ -49,18 +49,18 @@ def delta_kernel_function(head_dim, to_float32=float32):
     return flash_bwd_delta
 
 
-def _dk_dv_kernel_function(config, head_dim, causal):
+def _dk_dv_kernel_function(config, head_dim, causal, bf16):
     BLOCK_M, BLOCK_N = config.block_m, config.block_n
     TX, TY = config.threads_x, config.threads_y
     D_PAD = config.padded_head_dim(head_dim)
     TK = BLOCK_N // TY  # key rows per thread
     TQ = BLOCK_M // TX  # query columns of the transposed score tile per thread
     TD = D_PAD // TX  # dK / dV columns per thread
-    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
+    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
+    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
     tile_scores = make_tile_dot(TK, TQ, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TK, TD, TY, BLOCK_M)
-    store_tile = make_store_tile(TK, TD, TY, head_dim)
+    store_tile = make_store_tile(TK, TD, TY, head_dim, bf16)
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: the threads' scalar stores avoid bank conflicts
@@ -137,18 +137,18 @@ def _dk_dv_kernel_function(config, head_dim, causal):
     return flash_bwd_dk_dv
 
 
-def _dq_kernel_function(config, head_dim, causal):
+def _dq_kernel_function(config, head_dim, causal, bf16):
     BLOCK_M, BLOCK_N = config.block_m, config.block_n
     TX, TY = config.threads_x, config.threads_y
     D_PAD = config.padded_head_dim(head_dim)
     TM = BLOCK_M // TY  # query rows per thread
     TN = BLOCK_N // TX  # key columns per thread
     TD = D_PAD // TX  # dQ columns per thread
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
-    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
+    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
+    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
     tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
     accumulate = make_tile_accumulate(TM, TD, TY, BLOCK_N)
-    store_tile = make_store_tile(TM, TD, TY, head_dim)
+    store_tile = make_store_tile(TM, TD, TY, head_dim, bf16)
     Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
     K_SHAPE = (BLOCK_N, row_stride(D_PAD))
     DS_SHAPE = (BLOCK_M, BLOCK_N + TX)
@@ -220,26 +220,27 @@ def _dq_kernel_function(config, head_dim, causal):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernel_functions(config, head_dim, causal):
-    """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal)."""
-    return (delta_kernel_function(head_dim),
-            _dk_dv_kernel_function(config, head_dim, causal),
-            _dq_kernel_function(config, head_dim, causal))
+def backward_kernel_functions(config, head_dim, causal, bf16=False):
+    """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal, dtype)."""
+    return (delta_kernel_function(head_dim, bf16_bits_to_float32 if bf16 else float32),
+            _dk_dv_kernel_function(config, head_dim, causal, bf16),
+            _dq_kernel_function(config, head_dim, causal, bf16))
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(config, head_dim, causal):
-    functions = backward_kernel_functions(config, head_dim, causal)
+def backward_kernels(config, head_dim, causal, bf16=False):
+    functions = backward_kernel_functions(config, head_dim, causal, bf16)
     return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
 def launch_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,
-                    stream=0):
-    """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q) scratch."""
+                    stream=0, bf16=False):
+    """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q)
+    scratch. With bf16 the arrays of q's shape and k's are uint16 views of bfloat16 data."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     config = simt_backward_config(head_dim)
-    delta_kernel, dk_dv_kernel, dq_kernel = backward_kernels(config, head_dim, causal)
+    delta_kernel, dk_dv_kernel, dq_kernel = backward_kernels(config, head_dim, causal, bf16)
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     delta_grid = (-(-seqlen_q // DELTA_THREADS), nheads, batch)

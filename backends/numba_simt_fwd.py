@@ -18,22 +18,24 @@ from numba import cuda, float32
 from numba_flash.config import simt_forward_config
 from numba_flash.intrinsics import SHARED_ALIGN
 
+from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
 
-
 @functools.lru_cache(maxsize=None)
-def forward_kernel_function(config, head_dim, causal):
-    """The plain Python kernel for one (tile config, head_dim, causal); see forward_kernel."""
+def forward_kernel_function(config, head_dim, causal, bf16=False):
+    """The plain Python kernel for one (tile config, head_dim, causal, dtype); see
+    forward_kernel. With bf16, q, k, v and out hold bfloat16 bit patterns."""
     BLOCK_M, BLOCK_N = config.block_m, config.block_n
     TX, TY = config.threads_x, config.threads_y
     D_PAD = config.padded_head_dim(head_dim)
     TM = BLOCK_M // TY  # query rows per thread
     TN = BLOCK_N // TX  # score columns per thread
     TD = D_PAD // TX  # output columns per thread (contiguous)
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads)
-    load_kv_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads)
+    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
+    load_kv_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
+    encode = float32_to_bf16_bits if bf16 else unchanged
     tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
     accumulate_pv = make_tile_accumulate(TM, TD, TY, BLOCK_N)
     # Shared-array shapes must be compile-time tuples.
@@ -138,7 +140,7 @@ def forward_kernel_function(config, head_dim, causal):
                 for jd in range(TD):
                     col = tx * TD + jd
                     if col < head_dim:
-                        out[b, row, h, col] = acc[i, jd] * inv_l
+                        out[b, row, h, col] = encode(acc[i, jd] * inv_l)
                 if tx == 0:
                     if no_key:
                         lse[b, h, row] = NEG_INF
@@ -149,16 +151,18 @@ def forward_kernel_function(config, head_dim, causal):
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel(config, head_dim, causal):
+def forward_kernel(config, head_dim, causal, bf16=False):
     """The compiled (lazily specialised on argument types) forward kernel."""
-    return cuda.jit(forward_kernel_function(config, head_dim, causal), cache=True)
+    return cuda.jit(forward_kernel_function(config, head_dim, causal, bf16), cache=True)
 
 
-def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None):
-    """Launch the SIMT forward on device (or, under the simulator, host) arrays.
-    `config` overrides the heuristic's tile shape (for tuning)."""
+def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None, bf16=False):
+    """Launch the SIMT forward on device (or, under the simulator, host) arrays; with bf16,
+    q, k, v, out are uint16 views of bfloat16 data. `config` overrides the heuristic's tile
+    shape (for tuning)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     config = config or simt_forward_config(head_dim)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    kernel = forward_kernel(config, head_dim, causal)
-    kernel[grid, config.threads, stream](q, k, v, out, lse, np.float32(softmax_scale * float(LOG2E)))
+    kernel = forward_kernel(config, head_dim, causal, bf16)
+    scale_log2 = np.float32(softmax_scale * float(LOG2E))
+    kernel[grid, config.threads, stream](q, k, v, out, lse, scale_log2)

@@ -19,6 +19,8 @@ from numba import cuda, float32
 
 from numba_flash.intrinsics import load_f32x4
 
+from .numba_bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
+
 
 def row_stride(padded_head_dim):
     """Floats per shared-memory row of a Q/K/V/dO tile."""
@@ -26,11 +28,13 @@ def row_stride(padded_head_dim):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_tile(rows, head_dim, padded_head_dim, threads):
+def make_load_tile(rows, head_dim, padded_head_dim, threads, bf16=False):
     """load_tile(tile, src, b, row0, h, nrows, scale): tile[r, d] = src[b, row0+r, h, d] * scale,
     zero for r >= nrows - row0 or d >= head_dim. Consecutive threads read consecutive d
-    (coalesced in the (batch, seqlen, nheads, headdim) layout)."""
+    (coalesced in the (batch, seqlen, nheads, headdim) layout). With bf16, src holds bfloat16
+    bit patterns."""
     count = rows * padded_head_dim
+    to_float32 = bf16_bits_to_float32 if bf16 else float32
 
     @cuda.jit(device=True, inline="always")
     def load_tile(tile, src, b, row0, h, nrows, scale):
@@ -39,7 +43,7 @@ def make_load_tile(rows, head_dim, padded_head_dim, threads):
             d = idx % padded_head_dim
             value = float32(0.0)
             if row0 + r < nrows and d < head_dim:
-                value = float32(src[b, row0 + r, h, d]) * scale
+                value = to_float32(src[b, row0 + r, h, d]) * scale
             tile[r, d] = value
 
     return load_tile
@@ -96,9 +100,11 @@ def make_tile_accumulate(rows_per_thread, cols_per_thread, threads_y, inner):
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim):
+def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim, bf16=False):
     """store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
-    tx*cols_per_thread + j] = acc[i, j] * scale for rows < nrows and columns < head_dim."""
+    tx*cols_per_thread + j] = acc[i, j] * scale for rows < nrows and columns < head_dim. With
+    bf16, dst takes bfloat16 bit patterns."""
+    encode = float32_to_bf16_bits if bf16 else unchanged
 
     @cuda.jit(device=True, inline="always")
     def store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale):
@@ -108,6 +114,6 @@ def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim):
                 for j in range(cols_per_thread):
                     col = tx * cols_per_thread + j
                     if col < head_dim:
-                        dst[b, row, h, col] = acc[i, j] * scale
+                        dst[b, row, h, col] = encode(acc[i, j] * scale)
 
     return store_tile

@@ -47,7 +47,7 @@ def check_qkv(q, k, v):
         raise ValueError(f"headdim must be in 1..{MAX_HEAD_DIM}; got {headdim}")
     dtypes = {name: _arrays.dtype_name(x) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) != 1:
-        raise TypeError(f"q, k, v must have the same dtype; got " +
+        raise TypeError("q, k, v must have the same dtype; got " +
                         ", ".join(f"{n}={d}" for n, d in dtypes.items()))
     if dtypes["q"] not in FLOAT_DTYPES:
         raise TypeError(f"q, k, v must be floating point ({', '.join(FLOAT_DTYPES)}); "

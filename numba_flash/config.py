@@ -48,7 +48,8 @@ class SimtConfig:
 
 # Every entry fits in 48 KiB of static shared memory (forward_shared_bytes / backward_shared_bytes,
 # checked in tests/test_config.py). The forward entries are the fastest candidates of
-# scripts/tune_simt.py on an H200, 2026-11-29, N = 4096, fp32 and fp16 (docs/tune_simt_2026-11-29.log):
+# scripts/tune_simt.py on an H200, 2026-11-29, N = 4096, fp32 and fp16
+# (docs/tune_simt_2026-11-29.log):
 # d32 (64,64,8,16) 16.9 TFLOP/s; d64 (64,32,8,16) 12.9; d128 (32,32,16,8) 8.0 (8.1 for
 # (32,32,8,8) in fp32 is within noise, and it lost in fp16); d256 (16,16,16,8) 4.1.
 # The backward entries are the forward's shapes shrunk to hold six tiles; not yet tuned.
@@ -120,13 +121,14 @@ class MmaConfig:
 
 
 # Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention
-# (docs/PERFORMANCE.md): d64 (64, 8) 159 TFLOP/s against 144 for (64, 4) and 118 for (128, 4);
-# d128 (32, 8) 138 against 124 for (32, 4). ptxas (scripts/ptx_check.py): no spills, at most
-# 48 KiB of static shared memory. Head dims up to 64 use the d64 entry, up to 128 the d128 one;
-# head dims that are not multiples of 16 run padded; above 128 there is no tensor-core config.
+# (docs/tune_mma_2026-11-29.log): the fastest candidate that ptxas accepts with no spills and at
+# most 48 KiB of static shared memory (scripts/ptx_check.py). d64: (64, 8) 159 TFLOP/s against
+# 144 for (64, 4). d128: (32, 4) 124; (32, 8) ran at 138 on the H200's driver but needs 51 KiB
+# of static shared memory, which ptxas refuses. Head dims up to 64 use the d64 entry, up to 128
+# the d128 one; head dims that are not multiples of 16 run padded.
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=64, warps=8)),
-    (128, MmaConfig(block_n=32, warps=8)),
+    (128, MmaConfig(block_n=32, warps=4)),
 )
 
 
@@ -145,12 +147,13 @@ class MmaBackwardConfig:
     warps: int
 
 
-# Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention:
-# d64 (64, 64, 4) 108 TFLOP/s against 89 for (32, 64, 4) and 92 for (32, 64, 8); d128
-# (32, 32, 4) 87 against 77 for (16, 16, 4) and 84 for (16, 32, 4). No spills (ptxas).
+# Chosen the same way (scripts/tune_mma.py, then ptxas): d64 (16, 64, 4) 92 TFLOP/s; (64, 64, 4)
+# ran at 108 but spills 120-312 bytes at 255 registers, and (32, 64, 8) at 92 needs 54 KiB of
+# static shared memory in the dq kernel. d128 (16, 16, 4) 77: the faster candidates
+# ((32, 32, 4) 87, (16, 32, 4) 84) need more than 48 KiB of static shared memory.
 _MMA_BACKWARD = (
-    (64, MmaBackwardConfig(block_m=64, block_n=64, warps=4)),
-    (128, MmaBackwardConfig(block_m=32, block_n=32, warps=4)),
+    (64, MmaBackwardConfig(block_m=16, block_n=64, warps=4)),
+    (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
 )
 
 

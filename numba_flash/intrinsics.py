@@ -63,8 +63,7 @@ def _load_f32x4_python(array, row, col):
     return (array[row, col], array[row, col + 1], array[row, col + 2], array[row, col + 3])
 
 
-
-# -- helpers for writing intrinsics ---------------------------------------------------------------
+# -- helpers for writing intrinsics ----------------------------------------------------------------
 
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -101,7 +100,7 @@ def _casts(context, builder, values, from_types, to_type):
 _SHARED_ADDRESS = "cvta.to.shared.u64 sa, {0}; cvt.u32.u64 s, sa;"
 
 
-# -- mma.sync m16n8k16 ------------------------------------------------------------------------------
+# -- mma.sync m16n8k16 -----------------------------------------------------------------------------
 
 def _make_mma(input_type):
     text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{input_type}.{input_type}.f32 "
@@ -145,7 +144,7 @@ def _mma_python(unpack):
     return mma
 
 
-# -- f16x2 / bf16x2 packing -------------------------------------------------------------------------
+# -- f16x2 / bf16x2 packing ------------------------------------------------------------------------
 
 def _make_pack(kind):
     text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # the first source goes to the upper half
@@ -218,7 +217,7 @@ def _unpack_bf16x2_python(packed):
     return float(lo), float(hi)
 
 
-# -- ldmatrix ---------------------------------------------------------------------------------------
+# -- ldmatrix --------------------------------------------------------------------------------------
 
 def _make_ldmatrix(transpose):
     text = ("{ .reg .u64 sa; .reg .u32 s; " + _SHARED_ADDRESS.format("$4") +
@@ -270,7 +269,7 @@ def _ldmatrix_python(transpose):
     return ldmatrix
 
 
-# -- cp.async (16 bytes, global -> shared) ----------------------------------------------------------
+# -- cp.async (16 bytes, global -> shared) ---------------------------------------------------------
 
 _CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + _SHARED_ADDRESS.format("$0") +
              " cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [s], [ga], 16, $2; }")
@@ -343,7 +342,7 @@ def _cp_async_wait_python(pending):
     pass
 
 
-# -- warp shuffle -----------------------------------------------------------------------------------
+# -- warp shuffle ----------------------------------------------------------------------------------
 
 def _shfl_xor_python(value, lane_mask):
     values = _sim_warp.warp_exchange(value)
@@ -360,7 +359,7 @@ def _make_shfl_xor():
     return shfl_xor
 
 
-# -- the public names -------------------------------------------------------------------------------
+# -- the public names ------------------------------------------------------------------------------
 # Exponentials need no intrinsic: math.exp2 on float32 compiles to ex2.approx.f32.
 
 if SIMULATED:
@@ -385,3 +384,19 @@ else:
     cp_async_16 = _cp_async_16
     cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
     shfl_xor = _make_shfl_xor()
+
+
+def _name_intrinsics_for_the_cache():
+    """Numba's on-disk cache finds a kernel by a hash of its pickled closure, and an @intrinsic
+    pickles with a uuid drawn at random in each process unless one is set: every kernel that
+    reaches one of these (through a device function or a closure variable) would then miss the
+    cache in each new process. Each gets its import path as its uuid instead."""
+    named = {}
+    for name, value in globals().items():
+        if hasattr(value, "_set_uuid") and id(value) not in named:
+            value._set_uuid(f"{__name__}.{name}")
+            named[id(value)] = name
+
+
+if not SIMULATED:
+    _name_intrinsics_for_the_cache()

@@ -114,4 +114,3 @@ def resolve(backend, q, k, v, *, causal, softmax_scale):
     if any(dtype not in get_backend(n).dtypes for n in selection.skipped) and serving:
         message += f"; backends that support {dtype}: {', '.join(serving)}"
     raise ValueError(message)
-

@@ -1,7 +1,7 @@
 """torch integration: FlashAttention as a differentiable torch operation.
 
     import numba_flash.torch
-    out = numba_flash.torch.attention(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
+    out = numba_flash.torch.attention(q, k, v, causal=True)   # q, k, v: (B, N, H, D)
     out.sum().backward()                                       # fills q.grad, k.grad, v.grad
 
 Imported only when asked for (`import numba_flash` does not import torch). The forward saves

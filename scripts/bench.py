@@ -66,6 +66,7 @@ def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
     for name in numba_flash_backends:
         if name == "numba-simt" and dtype == "float32":
             continue  # "numba" runs the SIMT kernels for float32 already
+
         def run(i, name=name):
             q, k, v, dout = inputs[i]
             out, lse = numba_flash.forward(q, k, v, causal=causal, backend=name)
@@ -239,10 +240,10 @@ def main(argv=None):
               f"{'causal' if causal else 'full'} ...", file=sys.stderr, flush=True)
         rows.append(bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen,
                                causal, passes, args.tokens, args.model_dim, args.backends))
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": props["name"].decode(), "rows": rows}, f, indent=1)
+        print_table(rows[-1:])  # each row as it is done, and the JSON so far: a run cut
+        if args.json:           # short by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"gpu": props["name"].decode(), "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -23,8 +23,8 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simul
 
 from numba import cuda  # noqa: E402
 
-from numba_flash.backends.numba_mma_bwd import (mma_dk_dv_kernel_function,  # noqa: E402
-                                                 mma_dq_kernel_function)
+from numba_flash.backends.numba_mma_bwd import (  # noqa: E402
+    mma_dk_dv_kernel_function, mma_dq_kernel_function)
 from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noqa: E402
 from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
@@ -56,7 +56,8 @@ def ptxas_report(ptxas, ptx, cc):
     if run.returncode:
         lines = run.stderr.strip().splitlines()
         errors = [line for line in lines if "error" in line.lower()] or lines[-1:]
-        return {"ptxas_error": errors[0][:200]}
+        # The mangled kernel name fills the line; what went wrong is at its end.
+        return {"ptxas_error": re.sub(r"'[^']*'", "'<kernel>'", errors[0])[:200]}
     text = run.stderr
     number = lambda pattern: sum(int(x) for x in re.findall(pattern, text))  # noqa: E731
     return {"registers": number(r"Used (\d+) registers"),
@@ -67,15 +68,17 @@ def ptxas_report(ptxas, ptx, cc):
 def kernel_cases(head_dims, dtypes):
     """(name, python function, signature) for every kernel of every (head_dim, causal, dtype)."""
     for dtype in dtypes:
-        a4 = f"{dtype}[:, :, :, :]"
+        bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
+        a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
         f3 = "float32[:, :, :]"
         for head_dim in head_dims:
             for causal in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
-                fwd = forward_kernel_function(simt_forward_config(head_dim), head_dim, causal)
+                fwd = forward_kernel_function(simt_forward_config(head_dim), head_dim, causal,
+                                              bf16)
                 yield f"forward_{tag}", fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)"
                 delta, dk_dv, dq = backward_kernel_functions(
-                    simt_backward_config(head_dim), head_dim, causal)
+                    simt_backward_config(head_dim), head_dim, causal, bf16)
                 if not causal:  # the delta kernel does not depend on causal
                     yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})"
                 yield (f"bwd_dk_dv_{tag}", dk_dv,
@@ -96,7 +99,8 @@ def mma_kernel_cases(head_dims):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
                                                  bf16)
-                yield f"mma_forward_{tag}", fn, f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)"
+                yield (f"mma_forward_{tag}", fn,
+                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)")
                 bwd = mma_backward_config(head_dim)
                 f3 = "float32[:, :, :]"
                 yield (f"mma_bwd_dk_dv_{tag}",
@@ -112,7 +116,7 @@ def main(argv=None):
     parser.add_argument("--cc", nargs="+", type=int, default=[80, 90],
                         help="compute capabilities as two digits (default: 80 90)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[32, 64, 128, 256])
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "float32"])
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()

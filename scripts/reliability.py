@@ -30,13 +30,14 @@ def _arrays(cp, torch, rng, shape, dtype):
 
 
 def sanitize(numba_flash, cp, torch):
-    """Every kernel once per odd shape, causal and not: SIMT (float32, float16), tensor cores
-    (float16, bfloat16; head dim 24 padded), the copy kernel (a misaligned strided view)."""
+    """Every kernel once per odd shape, causal and not: SIMT (float32, float16, bfloat16),
+    tensor cores (float16, bfloat16), the copy kernel (a misaligned strided view)."""
     rng = np.random.default_rng(0)
     calls = 0
     for shape in SANITIZE_SHAPES:
         for backend, dtype in (("numba-simt", "float32"), ("numba-simt", "float16"),
-                               ("numba-mma", "float16"), ("numba-mma", "bfloat16")):
+                               ("numba-simt", "bfloat16"), ("numba-mma", "float16"),
+                               ("numba-mma", "bfloat16")):
             q, k, v, dout = _arrays(cp, torch, rng, shape, dtype)
             if numba_flash.get_backend(backend).supports(q, k, v):
                 continue  # e.g. head dim 256 on the tensor cores

@@ -2,7 +2,9 @@
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that do not compile (e.g. more than 48 KiB of static
-shared memory) are reported and skipped. Used to choose the entries of numba_flash/config.py.
+shared memory) are reported and skipped. A candidate the GPU's driver accepts can still break the
+rules of the config table (no spills, at most 48 KiB of static shared memory, checked with
+ptxas): run scripts/ptx_check.py on a winner before choosing it for numba_flash/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
 """

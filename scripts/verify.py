@@ -218,8 +218,8 @@ def main(argv=None):
         for dtype in ("float32", "float16", "bfloat16"):
             for causal in (False, True):
                 if dtype == "bfloat16" and not have_torch:
-                    table.skip("all", f"{dtype} {shape}", "bfloat16 arrays come as torch "
-                                                         "tensors, and torch is not installed")
+                    table.skip("all", f"{dtype} {shape}",
+                               "bfloat16 arrays come as torch tensors, and torch is not installed")
                     continue
                 verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu)
     if on_gpu and not args.quick:

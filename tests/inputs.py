@@ -1,5 +1,4 @@
 """Random attention inputs for the tests (never zeros, fresh per test), and test-case lists."""
-import numpy as np
 import pytest
 
 

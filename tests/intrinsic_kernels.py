@@ -3,8 +3,8 @@ and compiled to PTX by its PTX test. Each launches with whole warps."""
 from numba import cuda
 from numba.core.types import float16
 
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4,
-                                    ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
+                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
                                     pack_f16x2, shfl_xor, unpack_bf16x2, unpack_f16x2)
 
 

@@ -1,5 +1,4 @@
 """Bad input: a clear error naming the argument and what was expected, before any launch."""
-import numpy as np
 import pytest
 from inputs import random_qkv
 

@@ -144,13 +144,14 @@ def test_cupy_backend_matches_reference(cp, rng):
     assert np.abs(lse.get() - ref_lse).max() < 1e-5
 
 
-def test_repeated_runs_are_bitwise_identical(cp, rng):
-    q, k, v, dout = _inputs(cp, rng, (1, 1000, 1000, 2, 64), "float16")
+@pytest.mark.parametrize("backend, dtype", [("numba-mma", "float16"), ("numba-simt", "float32")])
+def test_repeated_runs_are_bitwise_identical(cp, rng, backend, dtype):
+    q, k, v, dout = _inputs(cp, rng, (1, 1000, 1000, 2, 64), dtype)
     first = None
     for _ in range(10):
-        out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+        out, lse = numba_flash.forward(q, k, v, causal=True, backend=backend)
         result = [out, lse, *numba_flash.backward(dout, q, k, v, out, lse, causal=True,
-                                                  backend="numba")]
+                                                  backend=backend)]
         result = [x.get() for x in result]
         if first is None:
             first = result

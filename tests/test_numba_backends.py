@@ -17,6 +17,8 @@ def test_numba_uses_simt_in_the_simulator_and_numba_mma_tensor_cores(rng):
     assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
     assert numba_flash.get_backend("numba-mma").engine(q) == (MMA, None)
     assert numba_flash.get_backend("numba-simt").engine(q) == (SIMT, None)
+    torch = pytest.importorskip("torch")
+    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
 
 
 @pytest.fixture
@@ -42,23 +44,23 @@ def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
     assert engine is None and "headdim <= 128, not 200" in reason
 
 
-def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
+def test_below_sm80_16_bit_inputs_use_simt(rng, on_a_gpu):
     torch = pytest.importorskip("torch")
     on_a_gpu((7, 5))
     q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
     assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
-    engine, reason = numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16())
+    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
+    engine, reason = numba_flash.get_backend("numba-mma").engine(q)
     assert engine is None
     assert "need compute capability 8.0 or newer; this GPU has 7.5" in reason
-    assert "SIMT kernels take float16 or float32, not bfloat16" in reason
 
 
-def test_bfloat16_in_the_simulator_points_to_numba_mma(rng):
-    torch = pytest.importorskip("torch")
-    q, k, v = (torch.from_numpy(x).bfloat16() for x in random_qkv(rng, 1, 4, 4, 1, 16,
-                                                                 "float32"))
-    with pytest.raises(ValueError, match="only backend 'numba-mma' runs the tensor-core"):
-        numba_flash.forward(q, k, v, backend="numba")
+def test_numba_mma_refuses_float32_and_numba_simt_float64(rng):
+    q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 16, "float32")
+    reason = numba_flash.get_backend("numba-mma").engine(q32)[1]
+    assert "take float16 or bfloat16, not float32" in reason
+    q64, _, _ = random_qkv(rng, 1, 4, 4, 1, 16, "float64")
+    assert "not supported" in numba_flash.get_backend("numba-simt").supports(q64, q64, q64)
 
 
 def test_mma_head_dims():
@@ -89,10 +91,19 @@ def _host(x):
     return x.float().numpy() if type(x).__module__.startswith("torch") else np.asarray(x)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", [(1, 9, 20, 2, 16), (1, 21, 7, 1, 24)],
-                         ids=["d16", "d24-padded"])
-def test_numba_mma_through_the_api(rng, poisoned_outputs, shape, dtype):
+CASES = [("numba-mma", "float16", (1, 9, 20, 2, 16)),
+         ("numba-mma", "bfloat16", (1, 9, 20, 2, 16)),
+         ("numba-mma", "float16", (1, 21, 7, 1, 24)),
+         ("numba-mma", "bfloat16", (1, 21, 7, 1, 24)),
+         ("numba-simt", "bfloat16", (1, 9, 20, 2, 16)),
+         ("numba", "bfloat16", (1, 7, 11, 1, 200))]
+
+
+@pytest.mark.parametrize("backend, dtype, shape", CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_16_bit_inputs_through_the_api(rng, poisoned_outputs, backend, shape, dtype):
+    """float16 (NumPy) and bfloat16 (CPU torch) through the public API: the tensor-core kernels
+    (head dim 24 padded to 32) and the SIMT kernels (bfloat16 as bit patterns; head dim 200)."""
     if dtype == "bfloat16":
         pytest.importorskip("torch")
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
@@ -101,7 +112,7 @@ def test_numba_mma_through_the_api(rng, poisoned_outputs, shape, dtype):
                      random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, "float32")
                      + (rng.standard_normal((batch, seqlen_q, nheads, head_dim)),))
     args = [_encode(x, dtype) for x in (q, k, v)]
-    out, lse = numba_flash.forward(*args, causal=causal, backend="numba-mma")
+    out, lse = numba_flash.forward(*args, causal=causal, backend=backend)
     assert type(out) is type(args[0]) and out.dtype == args[0].dtype
     ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
     base_out, base_lse = plain16_forward(np, q, k, v, causal, scale, dtype)
@@ -109,7 +120,7 @@ def test_numba_mma_through_the_api(rng, poisoned_outputs, shape, dtype):
     assert_within_rule("lse", _host(lse), base_lse, ref_lse, dtype)
     out_values = _host(out)
     grads = numba_flash.backward(_encode(dout, dtype), *args, out, lse, causal=causal,
-                                 backend="numba-mma")
+                                 backend=backend)
     refs = attention_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale,
                               np.float64)
     bases = plain16_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale, dtype)

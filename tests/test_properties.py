@@ -14,7 +14,7 @@ from numba_flash.standard_attention import attention_backward, attention_forward
        nheads=st.integers(1, 2), headdim=st.integers(1, 72), causal=st.booleans(),
        dtype=st.sampled_from(["float32", "float16"]), seed=st.integers(0, 2**32 - 1))
 def test_forward_and_backward_on_random_shapes(batch, seqlen_q, seqlen_k, nheads, headdim,
-                                              causal, dtype, seed):
+                                               causal, dtype, seed):
     rng = np.random.default_rng(seed)
     shape = lambda n: (batch, n, nheads, headdim)  # noqa: E731
     q, k, v = (rng.standard_normal(shape(n)).astype(dtype) for n in (seqlen_q, seqlen_k, seqlen_k))

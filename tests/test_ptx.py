@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ptx_check.py"
 # Both architectures for the head dims that matter most; the other config buckets once.
 RUNS = [["--cc", "80", "90", "--head-dims", "64", "128"],
-        ["--cc", "90", "--head-dims", "32", "256", "--dtypes", "float32"]]
+        ["--cc", "90", "--head-dims", "32", "256", "--dtypes", "float32", "bfloat16"]]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,9 @@ def test_every_kernel_compiled(reports):
                     for kind in ("mma_forward", "mma_bwd_dk_dv", "mma_bwd_dq"):
                         assert (f"{kind}_d{head_dim}_{causal}_{dtype}", cc) in seen
     for head_dim in (32, 256):
-        assert (f"forward_d{head_dim}_causal_float32", 90) in seen
+        for dtype in ("float32", "bfloat16"):
+            for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
+                assert (f"{kind}_d{head_dim}_causal_{dtype}", 90) in seen
 
 
 def test_ptxas_accepted_every_kernel(reports):
