@@ -176,6 +176,33 @@ def test_runs_on_the_callers_stream(cp, rng, monkeypatch):
     assert float(cp.abs(doubled.astype(cp.float64) - ref).max()) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_torch_tensors_run_on_torchs_current_stream(cp, rng, monkeypatch, dtype):
+    """bfloat16 (tensor cores) and float32 (SIMT) torch tensors: forward and backward launch on
+    torch's current stream, after the work queued there, before the work queued later."""
+    torch = pytest.importorskip("torch")
+    from numba import cuda
+    values = [torch.from_dlpack(x) for x in _inputs(cp, rng, (1, 1500, 1500, 4, 64), "float32")]
+    q, k, v, dout = (x.to(getattr(torch, dtype)) for x in values)
+    seen = []
+    real = cuda.external_stream
+    monkeypatch.setattr(cuda, "external_stream", lambda ptr: seen.append(ptr) or real(ptr))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        q2 = q * 2  # queued on `stream`; forward must run after it, on the same stream
+        out, lse = numba_flash.forward(q2, k, v, causal=True, backend="numba")
+        dq, _, _ = numba_flash.backward(dout, q2, k, v, out, lse, causal=True, backend="numba")
+        later = (out.float() * 1, dq.float() * 1)  # later work on the stream sees the results
+    stream.synchronize()
+    assert seen == [stream.cuda_stream, stream.cuda_stream]
+    synced_out, synced_lse = numba_flash.forward(q2, k, v, causal=True, backend="numba")
+    synced_dq, _, _ = numba_flash.backward(dout, q2, k, v, synced_out, synced_lse, causal=True,
+                                           backend="numba")
+    torch.cuda.synchronize()
+    assert torch.equal(later[0], synced_out.float()) and torch.equal(later[1], synced_dq.float())
+
+
 def test_numba_device_arrays_in_and_out(cp, rng):
     from numba import cuda
     q, k, v, _ = _inputs(cp, rng, (1, 100, 120, 2, 32), "float32")
