@@ -3,8 +3,8 @@
 Two kernel families ("engines") serve them:
   - tensor cores (backends/numba_mma_*.py): float16 and bfloat16 on GPUs of compute capability
     8.0 or newer, head dims up to 128 (padded to a multiple of 16);
-  - SIMT (backends/numba_simt_*.py): float32, float16 and bfloat16 on any GPU, head dims up
-    to 256 (float32 arithmetic throughout).
+  - SIMT (backends/numba_simt_*.py): float32 and float16 on any GPU, bfloat16 on sm_80 and
+    newer, head dims up to 256 (float32 arithmetic throughout).
 "numba" picks the first engine that can run a call, in that order; "numba-mma" and
 "numba-simt" use one engine only (for comparisons, benchmarks and tests).
 
@@ -125,6 +125,11 @@ class NumbaBackend(Backend):
         dtype = _arrays.dtype_name(q)
         if dtype not in ("float16", "bfloat16", "float32"):
             return f"the SIMT kernels take float16, bfloat16 or float32, not {dtype}"
+        if dtype == "bfloat16" and not simulator_enabled():
+            cc = compute_capability(_arrays.device_id(q))
+            if cc < TENSOR_CORE_CC:  # rounding to bfloat16 (cvt.rn.bf16x2) is sm_80 and newer
+                return (f"bfloat16 needs compute capability {TENSOR_CORE_CC[0]}."
+                        f"{TENSOR_CORE_CC[1]} or newer; this GPU has {cc[0]}.{cc[1]}")
         return None
 
     def engine(self, q):

@@ -111,11 +111,15 @@ def detached(x):
     return x.detach() if type(x).__module__.startswith("torch") else x
 
 
+def _library(x):
+    return (type(x).__module__ or "").split(".")[0]
+
+
 def convert_like(x, ref):
     """Return x (an array of any library) as the library and device of `ref`, without copying
     when the library already matches (DLPack / __cuda_array_interface__ are zero-copy)."""
     kind = array_kind(ref)
-    if array_kind(x) == kind and type(x) is type(ref):
+    if array_kind(x) == kind and _library(x) == _library(ref):  # (subclasses: nn.Parameter)
         return x
     if kind == HOST:
         if type(ref).__module__.startswith("torch"):  # a CPU torch tensor in, one out

@@ -5,8 +5,8 @@
 #   bash scripts/gpu_check.sh bench    # scripts/bench.py, forward, fp32 + fp16, d64 + d128
 #   bash scripts/gpu_check.sh api      # pytest -m gpu, the backend-level tests only
 #   bash scripts/gpu_check.sh tune     # scripts/tune_mma.py, fwd + bwd, d64 + d128, N = 4096
-#   bash scripts/gpu_check.sh reliability  # compute-sanitizer memcheck + racecheck on every
-#                                      # kernel, then scripts/reliability.py repeat long jit
+#   bash scripts/gpu_check.sh sanitize # compute-sanitizer memcheck + racecheck on every kernel
+#   bash scripts/gpu_check.sh reliability  # scripts/reliability.py repeat long jit
 # Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
 # numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
 set -uo pipefail
@@ -31,21 +31,25 @@ for stage in "$@"; do
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
         tune)
             timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;
-        reliability)
+        sanitize)
             sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
                         2>/dev/null | head -1)
+            if [ ! -x "$sanitizer" ]; then
+                echo "compute-sanitizer not found" | tee "$OUT/sanitizer.log"; status=1; continue
+            fi
             # The workload runs once without the sanitizer first, so that the kernels come
             # from Numba's on-disk cache under it. API errors are not reported: Numba's driver
             # start-up probes entry points with cuGetProcAddress, and each miss counts as one.
-            python3 scripts/reliability.py sanitize > /dev/null 2>&1
+            timeout 150 python3 scripts/reliability.py sanitize > /dev/null 2>&1
             for tool in memcheck racecheck; do
                 echo "== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
-                timeout "${SANITIZE_TIMEOUT:-240}" "$sanitizer" --tool "$tool" \
+                timeout "${SANITIZE_TIMEOUT:-200}" "$sanitizer" --tool "$tool" \
                     --report-api-errors no --error-exitcode 9 \
                     python3 scripts/reliability.py sanitize >> "$OUT/sanitizer.log" 2>&1 \
                     || { echo "compute-sanitizer $tool: exit $?" >> "$OUT/sanitizer.log"; status=1; }
                 grep -E "SUMMARY|calls done|exit" "$OUT/sanitizer.log" | tail -3
-            done
+            done ;;
+        reliability)
             timeout "${RELIABILITY_TIMEOUT:-240}" python3 scripts/reliability.py repeat long jit 2>&1 \
                 | tee "$OUT/reliability.log" || status=1 ;;
         verify)
@@ -57,7 +61,7 @@ for stage in "$@"; do
                 float32 float16 --head-dims 64 128 --seqlens 1024 4096 16384} \
                 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
-        *) echo "unknown stage $stage (tests, api, tune, reliability, verify, bench)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, verify, bench)"; exit 2 ;;
     esac
 done
 exit $status

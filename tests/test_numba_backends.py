@@ -44,15 +44,24 @@ def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
     assert engine is None and "headdim <= 128, not 200" in reason
 
 
-def test_below_sm80_16_bit_inputs_use_simt(rng, on_a_gpu):
+def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
     torch = pytest.importorskip("torch")
     on_a_gpu((7, 5))
     q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
     assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
-    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
     engine, reason = numba_flash.get_backend("numba-mma").engine(q)
     assert engine is None
     assert "need compute capability 8.0 or newer; this GPU has 7.5" in reason
+    engine, reason = numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16())
+    assert engine is None
+    assert "bfloat16 needs compute capability 8.0 or newer; this GPU has 7.5" in reason
+
+
+def test_bfloat16_with_head_dim_above_128_uses_simt_on_sm80(rng, on_a_gpu):
+    torch = pytest.importorskip("torch")
+    on_a_gpu((8, 0))
+    q, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float32")
+    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
 
 
 def test_numba_mma_refuses_float32_and_numba_simt_float64(rng):

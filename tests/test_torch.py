@@ -77,3 +77,25 @@ def test_sum_backward_fills_every_grad(rng, mode):
     for got, leaf in zip((q.grad, k.grad, v.grad), leaves):
         assert got is not None
         assert float((got.double() - leaf.grad.transpose(1, 2)).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_parameters(rng, mode):
+    """bfloat16 nn.Parameters in, bfloat16 out and bfloat16 gradients, close to float64 math
+    attention on the same (bfloat16-representable) values."""
+    device = "cuda" if mode == "gpu" else "cpu"
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.nn.Parameter(torch.randn(1, n, 2, 16, generator=gen).bfloat16().to(device))
+               for n in (13, 21, 21))
+    out = numba_flash.torch.attention(q, k, v, causal=True)
+    assert out.dtype == torch.bfloat16 and out.device == q.device
+    out.float().sum().backward()
+    ref, leaves = _torch_reference(q, k, v, True, 16 ** -0.5)
+    ref.sum().backward()
+    # bfloat16 keeps 8 bits: errors of a few 2^-8 relative are what rounding alone gives.
+    assert float((out.detach().double() - ref.detach()).abs().max()) < 2e-2
+    for got, leaf in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.dtype == torch.bfloat16
+        expected = leaf.grad.transpose(1, 2)
+        assert float((got.double() - expected).abs().max()) < 3e-2 * max(1.0, float(
+            expected.abs().max()))
