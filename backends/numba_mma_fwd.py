@@ -36,11 +36,15 @@ from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
 
 
 @functools.lru_cache(maxsize=None)
-def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
-    """The plain Python kernel for one (BLOCK_N, warps, head_dim, causal, dtype)."""
+def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1):
+    """The plain Python kernel for one (BLOCK_N, warps, head_dim, causal, dtype, slices): each
+    warp owns `slices` consecutive 16-row slices of the query tile, so every K/V fragment read
+    from shared memory feeds `slices` mma instructions."""
     if head_dim % 16 or block_n % 16:
         raise ValueError("head_dim and block_n must be multiples of 16")
-    BLOCK_M, BLOCK_N, D = 16 * warps, block_n, head_dim
+    SL = slices
+    WARP_ROWS = 16 * SL
+    BLOCK_M, BLOCK_N, D = WARP_ROWS * warps, block_n, head_dim
     THREADS = WARP * warps
     NB = BLOCK_N // 8  # 8-key blocks of the S accumulator
     DB = D // 8  # 8-column blocks of the O accumulator
@@ -50,7 +54,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
     # Q's A fragments stay in registers for small head dims; for larger ones they are re-read
     # from shared memory at every key tile (their D/4 registers would push the kernel to spill).
     Q_IN_REGISTERS = D <= 64
-    Q_FRAG_SHAPE = (KD if Q_IN_REGISTERS else 1, 4)
+    Q_FRAG_SHAPE = (SL, KD if Q_IN_REGISTERS else 1, 4)
     mma = mma_bf16 if bf16 else mma_f16
     pack = pack_bf16x2 if bf16 else pack_f16x2
 
@@ -68,23 +72,28 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
-        row_lo = m0 + 16 * warp + g  # this lane's two query rows
-        row_hi = row_lo + 8
+        warp_row0 = WARP_ROWS * warp  # the warp's first row in the tile
+        # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
+        # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
 
         q_tile = cuda.shared.array(Q_SHAPE, uint16, SHARED_ALIGN)
         k_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
         v_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
 
         q_frag = cuda.local.array(Q_FRAG_SHAPE, uint32)
-        s = cuda.local.array((NB, 4), float32)
-        acc = cuda.local.array((DB, 4), float32)
-        for db in range(DB):
-            for r in range(4):
-                acc[db, r] = ZERO
-        m_lo = NEG_INF
-        m_hi = NEG_INF
-        l_lo = ZERO  # this lane's share of the row sums
-        l_hi = ZERO
+        s = cuda.local.array((SL, NB, 4), float32)
+        acc = cuda.local.array((SL, DB, 4), float32)
+        m_i = cuda.local.array((SL, 2), float32)  # running row max (log2 units)
+        l_i = cuda.local.array((SL, 2), float32)  # this lane's share of the running row sum
+        alpha = cuda.local.array(2, float32)
+        ref = cuda.local.array(2, float32)
+        for sl in range(SL):
+            for db in range(DB):
+                for r in range(4):
+                    acc[sl, db, r] = ZERO
+            for half in range(2):
+                m_i[sl, half] = NEG_INF
+                l_i[sl, half] = ZERO
 
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
 
@@ -98,34 +107,41 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
         cp_async_wait(2)
         cuda.syncthreads()  # why: the Q tile is complete before ldmatrix reads it
         if Q_IN_REGISTERS:
-            for kd in range(KD):
-                f = ldmatrix_x4(q_tile, 16 * warp + lane % 16, 16 * kd + 8 * (lane // 16))
-                for r in range(4):
-                    q_frag[kd, r] = f[r]
+            for sl in range(SL):
+                for kd in range(KD):
+                    f = ldmatrix_x4(q_tile, warp_row0 + 16 * sl + lane % 16,
+                                    16 * kd + 8 * (lane // 16))
+                    for r in range(4):
+                        q_frag[sl, kd, r] = f[r]
 
         for n0 in range(0, n_end, BLOCK_N):
             cp_async_wait(1)  # the K tile of n0 has landed (the V tile may still be in flight)
             cuda.syncthreads()  # why: every thread's part of the K tile is visible
 
-            # Scores: S = Q Kᵀ, 16 x BLOCK_N per warp, in registers.
-            for nb in range(NB):
-                for r in range(4):
-                    s[nb, r] = ZERO
+            # Scores: S = Q Kᵀ, 16·SL x BLOCK_N per warp, in registers.
+            for sl in range(SL):
+                for nb in range(NB):
+                    for r in range(4):
+                        s[sl, nb, r] = ZERO
             for kd in range(KD):
                 slot = kd if Q_IN_REGISTERS else 0
                 if not Q_IN_REGISTERS:
-                    f = ldmatrix_x4(q_tile, 16 * warp + lane % 16, 16 * kd + 8 * (lane // 16))
-                    for r in range(4):
-                        q_frag[0, r] = f[r]
+                    for sl in range(SL):
+                        f = ldmatrix_x4(q_tile, warp_row0 + 16 * sl + lane % 16,
+                                        16 * kd + 8 * (lane // 16))
+                        for r in range(4):
+                            q_frag[sl, 0, r] = f[r]
                 for nb in range(0, NB, 2):  # one ldmatrix.x4 gives B for two 8-key blocks
                     f = ldmatrix_x4(k_tile, 8 * nb + lane % 8 + 8 * (lane // 16),
                                     16 * kd + 8 * ((lane // 8) % 2))
-                    for half in range(2):
-                        d = mma(q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2],
-                                q_frag[slot, 3], f[2 * half], f[2 * half + 1], s[nb + half, 0],
-                                s[nb + half, 1], s[nb + half, 2], s[nb + half, 3])
-                        for r in range(4):
-                            s[nb + half, r] = d[r]
+                    for sl in range(SL):  # each K fragment feeds every slice of the warp
+                        for half in range(2):
+                            d = mma(q_frag[sl, slot, 0], q_frag[sl, slot, 1],
+                                    q_frag[sl, slot, 2], q_frag[sl, slot, 3], f[2 * half],
+                                    f[2 * half + 1], s[sl, nb + half, 0], s[sl, nb + half, 1],
+                                    s[sl, nb + half, 2], s[sl, nb + half, 3])
+                            for r in range(4):
+                                s[sl, nb + half, r] = d[r]
             cuda.syncthreads()  # why: all warps are done reading the K tile before it is reused
 
             # Load: the next K tile, behind the softmax and P·V of this one.
@@ -133,68 +149,60 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
                 load_tile(k_tile, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
-            # Scale and mask: log2 units; -inf past seqlen_k and in each row's future.
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
-            for nb in range(NB):
-                for r in range(4):
-                    s[nb, r] *= scale_log2
-                    if needs_mask:
-                        col = n0 + 8 * nb + 2 * t + r % 2
-                        row = row_hi if r >= 2 else row_lo
-                        if col >= seqlen_k or (causal and col > row + offset):
-                            s[nb, r] = NEG_INF
+            for sl in range(SL):
+                row_lo = m0 + warp_row0 + 16 * sl + g
+                # Scale and mask: log2 units; -inf past seqlen_k and in each row's future.
+                for nb in range(NB):
+                    for r in range(4):
+                        s[sl, nb, r] *= scale_log2
+                        if needs_mask:
+                            col = n0 + 8 * nb + 2 * t + r % 2
+                            row = row_lo + 8 if r >= 2 else row_lo
+                            if col >= seqlen_k or (causal and col > row + offset):
+                                s[sl, nb, r] = NEG_INF
 
-            # Rescale: row max over the lane's columns, then over the row's 4 lanes.
-            tile_lo = NEG_INF
-            tile_hi = NEG_INF
-            for nb in range(NB):
-                tile_lo = max(tile_lo, max(s[nb, 0], s[nb, 1]))
-                tile_hi = max(tile_hi, max(s[nb, 2], s[nb, 3]))
-            for mask in (1, 2):
-                tile_lo = max(tile_lo, shfl_xor(tile_lo, mask))
-                tile_hi = max(tile_hi, shfl_xor(tile_hi, mask))
-            new_lo = max(m_lo, tile_lo)
-            new_hi = max(m_hi, tile_hi)
-            ref_lo = new_lo if new_lo != NEG_INF else ZERO  # a row that has seen no key yet
-            ref_hi = new_hi if new_hi != NEG_INF else ZERO
-            alpha_lo = math.exp2(m_lo - ref_lo)
-            alpha_hi = math.exp2(m_hi - ref_hi)
-            m_lo = new_lo
-            m_hi = new_hi
-            for db in range(DB):
-                acc[db, 0] *= alpha_lo
-                acc[db, 1] *= alpha_lo
-                acc[db, 2] *= alpha_hi
-                acc[db, 3] *= alpha_hi
-            sum_lo = ZERO
-            sum_hi = ZERO
-            for nb in range(NB):
-                s[nb, 0] = math.exp2(s[nb, 0] - ref_lo)
-                s[nb, 1] = math.exp2(s[nb, 1] - ref_lo)
-                s[nb, 2] = math.exp2(s[nb, 2] - ref_hi)
-                s[nb, 3] = math.exp2(s[nb, 3] - ref_hi)
-                sum_lo += s[nb, 0] + s[nb, 1]
-                sum_hi += s[nb, 2] + s[nb, 3]
-            l_lo = l_lo * alpha_lo + sum_lo
-            l_hi = l_hi * alpha_hi + sum_hi
+                # Rescale: row max over the lane's columns, then over the row's 4 lanes.
+                for half in range(2):
+                    tile_max = NEG_INF
+                    for nb in range(NB):
+                        tile_max = max(tile_max, max(s[sl, nb, 2 * half], s[sl, nb, 2 * half + 1]))
+                    for mask in (1, 2):
+                        tile_max = max(tile_max, shfl_xor(tile_max, mask))
+                    new_max = max(m_i[sl, half], tile_max)
+                    ref[half] = new_max if new_max != NEG_INF else ZERO  # no key seen yet
+                    alpha[half] = math.exp2(m_i[sl, half] - ref[half])
+                    m_i[sl, half] = new_max
+                for db in range(DB):
+                    for r in range(4):
+                        acc[sl, db, r] *= alpha[r // 2]
+                for half in range(2):
+                    row_sum = ZERO
+                    for nb in range(NB):
+                        for c in range(2):
+                            p = math.exp2(s[sl, nb, 2 * half + c] - ref[half])
+                            s[sl, nb, 2 * half + c] = p
+                            row_sum += p
+                    l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
             cuda.syncthreads()  # why: every thread's part of the V tile is visible
 
             # Accumulate: O += P V, with P packed from the S registers into A fragments.
             for kc in range(NB // 2):
-                a0 = pack(s[2 * kc, 0], s[2 * kc, 1])
-                a1 = pack(s[2 * kc, 2], s[2 * kc, 3])
-                a2 = pack(s[2 * kc + 1, 0], s[2 * kc + 1, 1])
-                a3 = pack(s[2 * kc + 1, 2], s[2 * kc + 1, 3])
                 for db in range(0, DB, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
                     f = ldmatrix_x4_trans(v_tile, 16 * kc + lane % 16, 8 * db + 8 * (lane // 16))
-                    for half in range(2):
-                        d = mma(a0, a1, a2, a3, f[2 * half], f[2 * half + 1],
-                                acc[db + half, 0], acc[db + half, 1], acc[db + half, 2],
-                                acc[db + half, 3])
-                        for r in range(4):
-                            acc[db + half, r] = d[r]
+                    for sl in range(SL):  # each V fragment feeds every slice of the warp
+                        a0 = pack(s[sl, 2 * kc, 0], s[sl, 2 * kc, 1])
+                        a1 = pack(s[sl, 2 * kc, 2], s[sl, 2 * kc, 3])
+                        a2 = pack(s[sl, 2 * kc + 1, 0], s[sl, 2 * kc + 1, 1])
+                        a3 = pack(s[sl, 2 * kc + 1, 2], s[sl, 2 * kc + 1, 3])
+                        for half in range(2):
+                            d = mma(a0, a1, a2, a3, f[2 * half], f[2 * half + 1],
+                                    acc[sl, db + half, 0], acc[sl, db + half, 1],
+                                    acc[sl, db + half, 2], acc[sl, db + half, 3])
+                            for r in range(4):
+                                acc[sl, db + half, r] = d[r]
             cuda.syncthreads()  # why: all warps are done reading the V tile before it is reused
 
             # Load: the next V tile, behind the next S = Q Kᵀ.
@@ -204,29 +212,31 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: row sums over the 4 lanes; out = acc / l; lse = m + log(l).
-        for mask in (1, 2):
-            l_lo += shfl_xor(l_lo, mask)
-            l_hi += shfl_xor(l_hi, mask)
-        for half in range(2):
-            row = row_hi if half else row_lo
-            l_row = l_hi if half else l_lo
-            m_row = m_hi if half else m_lo
-            if row < seqlen_q:
-                no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
-                inv_l = ZERO if no_key else ONE / l_row
-                for db in range(DB):
-                    word = pack(acc[db, 2 * half] * inv_l, acc[db, 2 * half + 1] * inv_l)
-                    out[b, row, h, 8 * db + 2 * t] = uint16(word & 0xFFFF)
-                    out[b, row, h, 8 * db + 2 * t + 1] = uint16(word >> 16)
-                if t == 0:
-                    lse[b, h, row] = NEG_INF if no_key else (m_row + math.log2(l_row)) * LN2
+        for sl in range(SL):
+            for half in range(2):
+                l_row = l_i[sl, half]
+                for mask in (1, 2):
+                    l_row += shfl_xor(l_row, mask)
+                row = m0 + warp_row0 + 16 * sl + g + 8 * half
+                if row < seqlen_q:
+                    no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
+                    inv_l = ZERO if no_key else ONE / l_row
+                    for db in range(DB):
+                        word = pack(acc[sl, db, 2 * half] * inv_l,
+                                    acc[sl, db, 2 * half + 1] * inv_l)
+                        out[b, row, h, 8 * db + 2 * t] = uint16(word & 0xFFFF)
+                        out[b, row, h, 8 * db + 2 * t + 1] = uint16(word >> 16)
+                    if t == 0:
+                        lse[b, h, row] = (NEG_INF if no_key else
+                                          (m_i[sl, half] + math.log2(l_row)) * LN2)
 
     return flash_forward_mma
 
 
 @functools.lru_cache(maxsize=None)
-def mma_forward_kernel(block_n, warps, head_dim, causal, bf16):
-    return cuda.jit(mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16), cache=True)
+def mma_forward_kernel(block_n, warps, head_dim, causal, bf16, slices=1):
+    function = mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices)
+    return cuda.jit(function, cache=True)
 
 
 def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0, config=None):
@@ -235,7 +245,8 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     `config` overrides numba_flash.config.mma_forward_config (tests, tuning)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     config = config or mma_forward_config(head_dim)
-    kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16)
+    kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16,
+                                config.slices)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel[grid, WARP * config.warps, stream](q, k, v, out, lse,
                                               np.float32(softmax_scale * float(LOG2E)))

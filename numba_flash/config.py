@@ -109,15 +109,17 @@ def backward_shared_bytes(config, head_dim):
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """Tile shape of the tensor-core forward: `warps` warps of 16 query rows each, key tiles
-    of block_n keys."""
+    """Tile shape of the tensor-core forward: `warps` warps of 16·slices query rows each, key
+    tiles of block_n keys. With slices > 1 every K/V fragment a warp reads from shared memory
+    feeds `slices` mma instructions, at the cost of slices× the S and O registers."""
 
     block_n: int
     warps: int
+    slices: int = 1
 
     @property
     def block_m(self):
-        return 16 * self.warps
+        return 16 * self.warps * self.slices
 
 
 # Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention

@@ -16,9 +16,9 @@ import numpy as np
 
 import harness
 
-FORWARD = {  # head_dim -> [(block_n, warps)]
-    64: [(64, 4), (32, 4), (128, 4), (64, 8), (32, 8), (64, 2)],
-    128: [(32, 4), (16, 4), (64, 2), (32, 8), (32, 2), (16, 8)],
+FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
+    64: [(64, 8, 1), (64, 4, 1), (32, 8, 1), (32, 4, 2), (32, 2, 2), (32, 8, 2)],
+    128: [(32, 4, 1), (16, 8, 1), (16, 4, 2), (16, 2, 2)],
 }
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps)]
     64: [(32, 64, 4), (64, 64, 4), (32, 32, 4), (16, 64, 4), (64, 32, 2), (32, 64, 8)],
@@ -86,8 +86,8 @@ def main(argv=None):
                     continue
                 error = float(cp.abs(out[first].astype(cp.float64) - ref_out).max())
                 ms = median_ms(cp, run)
-                print(f"fwd {tag} (block_n, warps)={shape}: {work / ms / 1e9:6.1f} TFLOP/s  "
-                      f"max error {error:.2e}", flush=True)
+                print(f"fwd {tag} (block_n, warps, slices)={shape}: "
+                      f"{work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
         if "bwd" in args.passes:
             out = cp.empty(q.shape, q.dtype)
             lse = cp.empty((batch, nheads, n), cp.float32)

@@ -31,10 +31,11 @@ GPU_SHAPES = [(2, 20, 45, 2, 64), (1, 70, 9, 2, 32), (1, 40, 80, 2, 128), (1, 33
 CASES = simulator_and_gpu_cases(SHAPES, GPU_SHAPES)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype, slices", [("float16", 1), ("bfloat16", 1), ("float16", 2)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mode, shape", CASES)
-def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype):
+def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
+    """slices=2: each warp owns two 16-row slices (a tuning option of MmaConfig)."""
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     if mode == "gpu":  # real sizes on the GPU
         seqlen_q, seqlen_k = 16 * seqlen_q + 3, 16 * seqlen_k + 5
@@ -43,8 +44,13 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype):
     out = np.full(qb.shape, 0x7E00, np.uint16)  # NaN in float16 and a NaN-ish bf16 pattern
     lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
     scale = head_dim ** -0.5
-    # The simulator runs a small config (fewer Python threads); the GPU the real one.
-    config = MmaConfig(block_n=32, warps=2) if mode == "simulator" else None
+    # The simulator runs a small config (fewer Python threads); the GPU the real one, or for
+    # two slices a config ptxas accepts without spills.
+    if mode == "simulator":
+        config = MmaConfig(block_n=32, warps=2 // slices, slices=slices)
+    else:
+        config = None if slices == 1 else MmaConfig(block_n=32 if head_dim <= 64 else 16,
+                                                    warps=4, slices=slices)
     launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
     ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
     base_out, _ = plain16_forward(np, q, k, v, causal, scale, dtype)
