@@ -1,14 +1,18 @@
 """Cross-check every available backend against float64 standard attention.
 
-On a machine with a CUDA GPU and CuPy: every backend x {float32, float16} x {causal, full} x a
-grid of shapes up to N = 4096, forward and backward; then the numba forward at N = 65536,
-checked on sampled rows, where the cupy backend is skipped for memory.
-Without a GPU: the kernels run in Numba's CUDA simulator at small sizes (it says so).
+On a machine with a CUDA GPU and CuPy: every backend x {float32, float16, bfloat16} x {causal,
+full} x a grid of shapes up to N = 4096, forward and backward; then the numba forward at
+N = 65536, checked on sampled rows, where the cupy backend is skipped for memory. bfloat16
+arrays are torch tensors (it is skipped, saying so, without torch). A backend that would run
+the same kernels as one already checked for a case is skipped with that reason.
+Without a GPU: the kernels run in Numba's CUDA simulator at small sizes (it says so); the
+tensor-core kernels only at the first shape, being slow there.
 
 Rule (DESIGN.md): max |backend - reference| <= 2 x max |plain - reference| + floor, where the
 reference is computed in float64 and "plain" is standard attention in the input precision
-(the cupy backend on the GPU, NumPy in that dtype on the CPU). Prints a table; exits 1 on any
-failure.
+(the cupy backend on the GPU, NumPy in that dtype on the CPU; for bfloat16, which neither
+has, numba_flash.testing's float32 emulation of a 16-bit implementation). Prints a table;
+exits 1 on any failure.
 
     python scripts/verify.py [--simulator] [--quick]
 """
