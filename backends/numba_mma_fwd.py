@@ -4,8 +4,10 @@ Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
 (backends/numba_backend.py). Checked against float64 under the simulator and on an H200
 (tests/test_mma_forward.py, tests/test_gpu.py, scripts/verify.py).
 
-One block of WARPS warps per (query tile of BLOCK_M = 16·WARPS rows, head, batch); warp w owns
-query rows 16w..16w+15 of the tile. K and V tiles of BLOCK_N keys are shared by the warps.
+One block of WARPS warps per (query tile of BLOCK_M = 16·SLICES·WARPS rows, head, batch); warp
+w owns the SLICES 16-row slices starting at row 16·SLICES·w of the tile (SLICES = 1 by default;
+with more, every K/V fragment a warp reads feeds SLICES mma instructions). K and V tiles of
+BLOCK_N keys are shared by the warps.
   - Q tile: cp.async into shared memory once, then ldmatrix into A fragments kept in registers.
   - S = Q Kᵀ per warp: mma with B fragments ldmatrix'ed from the K tile (stored [key][d], which
     is Kᵀ in the column-major layout mma wants for B).
@@ -25,7 +27,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from numba_flash.config import mma_forward_config
+from numba_flash.config import SHARED_MEMORY_BYTES, mma_forward_config
 
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                     ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
@@ -42,6 +44,13 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
     from shared memory feeds `slices` mma instructions."""
     if head_dim % 16 or block_n % 16:
         raise ValueError("head_dim and block_n must be multiples of 16")
+    if slices < 1 or warps < 1:
+        raise ValueError(f"slices and warps must be >= 1; got {slices}, {warps}")
+    shared_bytes = 2 * (16 * warps * slices + 2 * block_n) * (head_dim + ROW_PAD)
+    if shared_bytes > SHARED_MEMORY_BYTES:
+        raise ValueError(f"(block_n={block_n}, warps={warps}, slices={slices}) at head_dim "
+                         f"{head_dim} needs {shared_bytes} bytes of shared memory; the limit "
+                         f"is {SHARED_MEMORY_BYTES}")
     SL = slices
     WARP_ROWS = 16 * SL
     BLOCK_M, BLOCK_N, D = WARP_ROWS * warps, block_n, head_dim
@@ -179,10 +188,11 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
                 for half in range(2):
                     row_sum = ZERO
                     for nb in range(NB):
-                        for c in range(2):
-                            p = math.exp2(s[sl, nb, 2 * half + c] - ref[half])
-                            s[sl, nb, 2 * half + c] = p
-                            row_sum += p
+                        p0 = math.exp2(s[sl, nb, 2 * half] - ref[half])
+                        p1 = math.exp2(s[sl, nb, 2 * half + 1] - ref[half])
+                        s[sl, nb, 2 * half] = p0
+                        s[sl, nb, 2 * half + 1] = p1
+                        row_sum += p0 + p1
                     l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)

@@ -59,3 +59,12 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
     assert np.array_equal(np.isfinite(lse), finite)
     scale = max(1, np.abs(ref_lse[finite]).max())
     assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
+
+
+def test_configs_beyond_the_shared_memory_limit_are_refused():
+    from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function
+    # Q: 4 warps x 3 slices x 16 = 192 rows; K and V: 32 rows each; rows of 128 + 8 halves.
+    with pytest.raises(ValueError, match=r"slices=3\) at head_dim 128 needs 69632 bytes"):
+        mma_forward_kernel_function(32, 4, 128, False, False, 3)
+    with pytest.raises(ValueError, match="slices and warps must be >= 1"):
+        mma_forward_kernel_function(32, 4, 64, False, False, 0)
