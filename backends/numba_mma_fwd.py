@@ -188,11 +188,9 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
                 for half in range(2):
                     row_sum = ZERO
                     for nb in range(NB):
-                        p0 = math.exp2(s[sl, nb, 2 * half] - ref[half])
-                        p1 = math.exp2(s[sl, nb, 2 * half + 1] - ref[half])
-                        s[sl, nb, 2 * half] = p0
-                        s[sl, nb, 2 * half + 1] = p1
-                        row_sum += p0 + p1
+                        for c in range(2):
+                            s[sl, nb, 2 * half + c] = math.exp2(s[sl, nb, 2 * half + c] - ref[half])
+                        row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
                     l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
