@@ -189,11 +189,7 @@ class NumbaBackend(Backend):
         return cuda.gpus[_arrays.device_id(ref)]
 
     def _new(self, ref, shape, dtype):
-        """A new C-contiguous output array of ref's library and device."""
-        return _arrays.empty_like_kind(ref, shape, dtype)
-
-    def _scratch(self, ref, shape, dtype):
-        """A new array for the kernels only (never returned to the caller)."""
+        """A new C-contiguous array of ref's library and device (outputs and scratch)."""
         return _arrays.empty_like_kind(ref, shape, dtype)
 
     def forward(self, q, k, v, *, causal, softmax_scale):
@@ -224,7 +220,7 @@ class NumbaBackend(Backend):
             raise ValueError(f"backend {self.name!r} cannot run this call: {reason}")
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
-            delta = self._scratch(q, (batch, nheads, seqlen_q), "float32")
+            delta = self._new(q, (batch, nheads, seqlen_q), "float32")
             stream = self._stream(q)
             with self._quiet_launch():
                 if engine == MMA:
@@ -248,7 +244,7 @@ class NumbaBackend(Backend):
         if is_tile_ready(view, head_dim):
             return view
         shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
-        copy = self._view(self._scratch(ref, shape, "int16"), bits=True)
+        copy = self._view(self._new(ref, shape, "int16"), bits=True)
         copy_padded(view, copy, stream)
         return copy
 
@@ -258,7 +254,7 @@ class NumbaBackend(Backend):
         if is_tile_ready(view, head_dim):
             return view, None
         shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
-        return self._view(self._scratch(ref, shape, "int16"), bits=True), view
+        return self._view(self._new(ref, shape, "int16"), bits=True), view
 
     def _mma_forward(self, q, k, v, out, lse, causal, softmax_scale, stream):
         from .numba_copy import copy_padded

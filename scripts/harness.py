@@ -51,3 +51,20 @@ def peak_extra_bytes(fn):
     result = fn()
     cupy.cuda.get_current_stream().synchronize()
     return result, pool.total_bytes() - before
+
+
+def median_ms(run, repeats=7):
+    """Median milliseconds of run() over `repeats` calls, by CUDA events on CuPy's current
+    stream (for the tile-config sweeps; bench.py's Timer also adapts the repeat count)."""
+    import statistics
+
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)

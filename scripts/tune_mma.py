@@ -9,7 +9,6 @@ ptxas): run scripts/ptx_check.py on a winner before choosing it for numba_flash/
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
 """
 import argparse
-import statistics
 import sys
 
 import numpy as np
@@ -24,18 +23,6 @@ BACKWARD = {  # head_dim -> [(block_m, block_n, warps)]
     64: [(32, 64, 4), (64, 64, 4), (32, 32, 4), (16, 64, 4), (64, 32, 2), (32, 64, 8)],
     128: [(16, 16, 4), (32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 16, 2), (16, 16, 8)],
 }
-
-
-def median_ms(cp, run, repeats=7):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -85,7 +72,7 @@ def main(argv=None):
                           f"{str(exc)[:100]})", flush=True)
                     continue
                 error = float(cp.abs(out[first].astype(cp.float64) - ref_out).max())
-                ms = median_ms(cp, run)
+                ms = harness.median_ms(run)
                 print(f"fwd {tag} (block_n, warps, slices)={shape}: "
                       f"{work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
         if "bwd" in args.passes:
@@ -115,7 +102,7 @@ def main(argv=None):
                     continue
                 error = max(float(cp.abs(g[first].astype(cp.float64) - r).max())
                             for g, r in zip(grads, ref))
-                ms = median_ms(cp, run)
+                ms = harness.median_ms(run)
                 print(f"bwd {tag} (block_m, block_n, warps)={shape}: "
                       f"{2.5 * work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
     return 0

@@ -6,7 +6,6 @@ timed with CUDA events (median). Used to choose the entries of numba_flash/confi
     python scripts/tune_simt.py --head-dims 64 128 --seqlen 4096
 """
 import argparse
-import statistics
 import sys
 
 import numpy as np
@@ -61,15 +60,7 @@ def main(argv=None):
                     launch_forward(*views, False, head_dim ** -0.5, 0, config)
                 run()
                 error = float(cp.abs(out[sub].astype(cp.float64) - ref).max())
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                times = []
-                for _ in range(7):
-                    start.record()
-                    run()
-                    stop.record()
-                    stop.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(start, stop))
-                ms = statistics.median(times)
+                ms = harness.median_ms(run)
                 print(f"{dtype} d{head_dim} N{args.seqlen} {shape}: {work / ms / 1e9:6.1f} "
                       f"TFLOP/s  max error {error:.2e}", flush=True)
     return 0

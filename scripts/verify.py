@@ -84,6 +84,7 @@ class Inputs:
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
+    from numba_flash.backends.numba_backend import MMA
     from numba_flash.standard_attention import attention_backward, attention_forward
     from numba_flash.testing import plain16_backward, plain16_forward, round16
     batch, seqlen_q, seqlen_k, nheads, headdim = shape
@@ -132,7 +133,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
             continue
         backend = numba_flash.get_backend(name)
         engine = backend.engine(args[0])[0] if hasattr(backend, "engine") else name
-        if not on_gpu and engine == "tensor cores" and shape != SIM_SHAPES[0]:
+        if not on_gpu and engine == MMA and shape != SIM_SHAPES[0]:
             table.skip(name, case, "simulated tensor cores are slow: checked at the first "
                                    "shape only")
             continue

@@ -52,4 +52,3 @@ def poisoned_outputs(monkeypatch):
             array[...] = float("nan")
         return array
     monkeypatch.setattr(NumbaBackend, "_new", poisoned)
-    monkeypatch.setattr(NumbaBackend, "_scratch", poisoned)
