@@ -16,19 +16,19 @@ P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved 
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data).
 """
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32, uint16
 
-from numba_flash.config import mma_backward_config
-from numba_flash.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait
+from numba_flash.config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
+                                    shared_tile)
 
 from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
-from .numba_mma_tiles import (ROW_PAD, WARP, make_cp_async_loader, make_warp_accumulate,
-                              make_warp_scores, make_warp_store)
+from .numba_mma_tiles import (WARP, check_shared_bytes, launch_with_shared, make_cp_async_loader,
+                              make_warp_accumulate, make_warp_scores, make_warp_store)
 
 
 def mma_delta_kernel_function(head_dim, bf16):
@@ -43,8 +43,11 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
     THREADS = WARP * warps
     NQ = BLOCK_M // 8  # 8-query blocks of Sᵀ
     DB = D // 8
-    KEY_SHAPE = (BLOCK_N, D + ROW_PAD)
-    QUERY_SHAPE = (BLOCK_M, D + ROW_PAD)
+    ROW = D + ROW_PAD  # halves per shared-memory row
+    V_START = 2 * BLOCK_N * ROW  # where each tile starts in shared memory (bytes)
+    Q_START = 2 * V_START
+    DO_START = Q_START + 2 * BLOCK_M * ROW
+    STATS_START = DO_START + 2 * BLOCK_M * ROW
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(bf16, NQ, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
@@ -64,12 +67,14 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
         key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
 
-        k_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
-        v_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
-        q_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
-        do_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
-        lse_tile = cuda.shared.array(BLOCK_M, float32)
-        delta_tile = cuda.shared.array(BLOCK_M, float32)
+        smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: K, V, Q, dO tiles
+        k_tile = shared_tile(smem, 0, BLOCK_N, ROW, uint16)
+        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, uint16)
+        q_tile = shared_tile(smem, Q_START, BLOCK_M, ROW, uint16)
+        do_tile = shared_tile(smem, DO_START, BLOCK_M, ROW, uint16)
+        stats = shared_tile(smem, STATS_START, 2, BLOCK_M, float32)
+        lse_tile = stats[0]
+        delta_tile = stats[1]
 
         s = cuda.local.array((NQ, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((NQ, 4), float32)  # dPᵀ, then dSᵀ
@@ -105,7 +110,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
             for nq in range(NQ):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                    p = math.exp2(s[nq, r] * scale_log2 - lse_tile[c])
+                    p = exp2(s[nq, r] * scale_log2 - lse_tile[c])
                     if needs_mask and key_lo + 8 * (r // 2) > m0 + c + offset:
                         p = ZERO
                     s[nq, r] = p
@@ -129,8 +134,10 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
     THREADS = WARP * warps
     NB = BLOCK_N // 8
     DB = D // 8
-    QUERY_SHAPE = (BLOCK_M, D + ROW_PAD)
-    KEY_SHAPE = (BLOCK_N, D + ROW_PAD)
+    ROW = D + ROW_PAD
+    DO_START = 2 * BLOCK_M * ROW  # bytes
+    K_START = 2 * DO_START
+    V_START = K_START + 2 * BLOCK_N * ROW
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(bf16, NB, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
@@ -155,10 +162,11 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
         delta_lo = delta[b, h, row_lo] if row_lo < seqlen_q else ZERO
         delta_hi = delta[b, h, row_hi] if row_hi < seqlen_q else ZERO
 
-        q_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
-        do_tile = cuda.shared.array(QUERY_SHAPE, uint16, SHARED_ALIGN)
-        k_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
-        v_tile = cuda.shared.array(KEY_SHAPE, uint16, SHARED_ALIGN)
+        smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: Q, dO, K, V tiles
+        q_tile = shared_tile(smem, 0, BLOCK_M, ROW, uint16)
+        do_tile = shared_tile(smem, DO_START, BLOCK_M, ROW, uint16)
+        k_tile = shared_tile(smem, K_START, BLOCK_N, ROW, uint16)
+        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, uint16)
 
         s = cuda.local.array((NB, 4), float32)  # S, then P
         dp = cuda.local.array((NB, 4), float32)  # dP, then dS
@@ -189,7 +197,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
                 for r in range(4):
                     hi = r >= 2
                     col = n0 + 8 * nb + 2 * t + r % 2
-                    p = math.exp2(s[nb, r] * scale_log2 - (lse_hi if hi else lse_lo))
+                    p = exp2(s[nb, r] * scale_log2 - (lse_hi if hi else lse_lo))
                     if needs_mask and (col >= seqlen_k or
                                        (causal and col > (row_hi if hi else row_lo) + offset)):
                         p = ZERO
@@ -227,9 +235,11 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     rows, threads = 16 * config.warps, WARP * config.warps
+    dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(config, head_dim)
+    check_shared_bytes(max(dk_dv_bytes, dq_bytes), f"{config} at head_dim {head_dim}")
     delta_kernel[(-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream](
         dout, out, delta)
-    dk_dv_kernel[(-(-seqlen_k // rows), nheads, batch), threads, stream](
-        q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
-    dq_kernel[(-(-seqlen_q // rows), nheads, batch), threads, stream](
-        q, k, v, dout, lse, delta, dq, scale_log2, scale)
+    launch_with_shared(dk_dv_kernel, (-(-seqlen_k // rows), nheads, batch), threads, stream,
+                       dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+    launch_with_shared(dq_kernel, (-(-seqlen_q // rows), nheads, batch), threads, stream,
+                       dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale)

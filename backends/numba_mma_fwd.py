@@ -11,8 +11,9 @@ BLOCK_N keys are shared by the warps.
   - Q tile: cp.async into shared memory once, then ldmatrix into A fragments kept in registers.
   - S = Q Kᵀ per warp: mma with B fragments ldmatrix'ed from the K tile (stored [key][d], which
     is Kᵀ in the column-major layout mma wants for B).
-  - Online softmax on the S accumulators in registers, log2 units (scale·log2(e) folded in), the
-    row max/sum of a row combined over its 4 lanes with shuffles.
+  - Online softmax on the S accumulators in registers, log2 units (scale·log2(e) folded into
+    one fused multiply-add before each ex2), the row max/sum of a row combined over its 4 lanes
+    with shuffles.
   - P stays in registers: the S accumulator layout of two adjacent 8-key blocks is exactly the
     A-fragment layout of a 16-key chunk, so P is packed to f16/bf16 and fed to the P·V mma.
   - V: B fragments with ldmatrix.trans (V is stored [key][d]).
@@ -27,14 +28,15 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from numba_flash.config import SHARED_MEMORY_BYTES, mma_forward_config
+from numba_flash.config import (ROW_PAD, MmaConfig, mma_forward_config,
+                                mma_forward_shared_bytes)
 
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
-                                    ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
-                                    pack_f16x2, shfl_xor)
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
+                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
+                                    pack_bf16x2, pack_f16x2, shared_tile, shfl_xor)
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
-from .numba_mma_tiles import ROW_PAD, WARP, make_cp_async_loader
+from .numba_mma_tiles import WARP, check_shared_bytes, launch_with_shared, make_cp_async_loader
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,11 +48,9 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
         raise ValueError("head_dim and block_n must be multiples of 16")
     if slices < 1 or warps < 1:
         raise ValueError(f"slices and warps must be >= 1; got {slices}, {warps}")
-    shared_bytes = 2 * (16 * warps * slices + 2 * block_n) * (head_dim + ROW_PAD)
-    if shared_bytes > SHARED_MEMORY_BYTES:
-        raise ValueError(f"(block_n={block_n}, warps={warps}, slices={slices}) at head_dim "
-                         f"{head_dim} needs {shared_bytes} bytes of shared memory; the limit "
-                         f"is {SHARED_MEMORY_BYTES}")
+    check_shared_bytes(mma_forward_shared_bytes(MmaConfig(block_n, warps, slices), head_dim),
+                       f"(block_n={block_n}, warps={warps}, slices={slices}) at head_dim "
+                       f"{head_dim}")
     SL = slices
     WARP_ROWS = 16 * SL
     BLOCK_M, BLOCK_N, D = WARP_ROWS * warps, block_n, head_dim
@@ -58,8 +58,9 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
     NB = BLOCK_N // 8  # 8-key blocks of the S accumulator
     DB = D // 8  # 8-column blocks of the O accumulator
     KD = D // 16  # 16-wide chunks of the head dim (k-steps of S = Q Kᵀ)
-    Q_SHAPE = (BLOCK_M, D + ROW_PAD)
-    KV_SHAPE = (BLOCK_N, D + ROW_PAD)
+    ROW = D + ROW_PAD  # halves per shared-memory row
+    K_START = 2 * BLOCK_M * ROW  # where the K and V tiles start in shared memory (bytes)
+    V_START = K_START + 2 * BLOCK_N * ROW
     # Q's A fragments stay in registers for small head dims; for larger ones they are re-read
     # from shared memory at every key tile (their D/4 registers would push the kernel to spill).
     Q_IN_REGISTERS = D <= 64
@@ -85,9 +86,10 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
 
-        q_tile = cuda.shared.array(Q_SHAPE, uint16, SHARED_ALIGN)
-        k_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
-        v_tile = cuda.shared.array(KV_SHAPE, uint16, SHARED_ALIGN)
+        smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: Q, K, V tiles
+        q_tile = shared_tile(smem, 0, BLOCK_M, ROW, uint16)
+        k_tile = shared_tile(smem, K_START, BLOCK_N, ROW, uint16)
+        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, uint16)
 
         q_frag = cuda.local.array(Q_FRAG_SHAPE, uint32)
         s = cuda.local.array((SL, NB, 4), float32)
@@ -161,35 +163,37 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
             for sl in range(SL):
                 row_lo = m0 + warp_row0 + 16 * sl + g
-                # Scale and mask: log2 units; -inf past seqlen_k and in each row's future.
-                for nb in range(NB):
-                    for r in range(4):
-                        s[sl, nb, r] *= scale_log2
-                        if needs_mask:
+                # Mask: -inf past seqlen_k and in each row's future (diagonal and tail tiles).
+                if needs_mask:
+                    for nb in range(NB):
+                        for r in range(4):
                             col = n0 + 8 * nb + 2 * t + r % 2
                             row = row_lo + 8 if r >= 2 else row_lo
                             if col >= seqlen_k or (causal and col > row + offset):
                                 s[sl, nb, r] = NEG_INF
 
-                # Rescale: row max over the lane's columns, then over the row's 4 lanes.
+                # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken
+                # on the unscaled scores (the scale is positive) and kept in log2 units.
                 for half in range(2):
                     tile_max = NEG_INF
                     for nb in range(NB):
                         tile_max = max(tile_max, max(s[sl, nb, 2 * half], s[sl, nb, 2 * half + 1]))
                     for mask in (1, 2):
                         tile_max = max(tile_max, shfl_xor(tile_max, mask))
-                    new_max = max(m_i[sl, half], tile_max)
+                    new_max = max(m_i[sl, half], tile_max * scale_log2)
                     ref[half] = new_max if new_max != NEG_INF else ZERO  # no key seen yet
-                    alpha[half] = math.exp2(m_i[sl, half] - ref[half])
+                    alpha[half] = exp2(m_i[sl, half] - ref[half])
                     m_i[sl, half] = new_max
                 for db in range(DB):
                     for r in range(4):
                         acc[sl, db, r] *= alpha[r // 2]
+                # P = exp2(S·scale·log2(e) - m): one fused multiply-add and one ex2 per score.
                 for half in range(2):
                     row_sum = ZERO
                     for nb in range(NB):
                         for c in range(2):
-                            s[sl, nb, 2 * half + c] = math.exp2(s[sl, nb, 2 * half + c] - ref[half])
+                            s[sl, nb, 2 * half + c] = exp2(s[sl, nb, 2 * half + c] * scale_log2
+                                                           - ref[half])
                         row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
                     l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
@@ -256,5 +260,6 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16,
                                 config.slices)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    kernel[grid, WARP * config.warps, stream](q, k, v, out, lse,
-                                              np.float32(softmax_scale * float(LOG2E)))
+    launch_with_shared(kernel, grid, WARP * config.warps, stream,
+                       mma_forward_shared_bytes(config, head_dim), q, k, v, out, lse,
+                       np.float32(softmax_scale * float(LOG2E)))

@@ -1,32 +1,82 @@
-"""Pieces shared by the tensor-core kernels: tile shapes and cp.async tile loads.
+"""Pieces shared by the tensor-core kernels: tile shapes, cp.async tile loads, warp-level
+mma loops, and launches with dynamic shared memory.
 
-Tiles are 16-bit patterns (uint16) in shared memory, rows of head_dim halves padded by ROW_PAD
-halves (16 bytes) so that the 8 row addresses of an ldmatrix start 4 banks apart.
+Tiles are 16-bit patterns (uint16) carved out of the kernel's dynamic shared memory (so that
+a config may use more than the 48 KiB a block gets without opting in), rows padded by
+numba_flash.config.ROW_PAD halves.
 """
 import functools
 
 from numba import cuda, float32, uint16
 
-from numba_flash.intrinsics import cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
+from numba_flash.config import MMA_SHARED_MEMORY_BYTES
+from numba_flash.intrinsics import SIMULATED, cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
 
 WARP = 32
-ROW_PAD = 8
+#: Shared memory every block may use; a kernel that takes more must opt in first.
+DEFAULT_SHARED_BYTES = 48 * 1024
+
+
+def check_shared_bytes(shared_bytes, what):
+    if shared_bytes > MMA_SHARED_MEMORY_BYTES:
+        raise ValueError(f"{what} needs {shared_bytes} bytes of shared memory; tensor-core "
+                         f"configs may take at most {MMA_SHARED_MEMORY_BYTES}")
+
+
+def launch_with_shared(kernel, grid, threads, stream, shared_bytes, *args):
+    """kernel[grid, threads, stream, shared_bytes](*args), opting the kernel in to more than
+    48 KiB of dynamic shared memory first when it needs that."""
+    if shared_bytes > DEFAULT_SHARED_BYTES and not SIMULATED:
+        _opt_in(kernel, args, shared_bytes)
+    kernel[grid, threads, stream, shared_bytes](*args)
+
+
+_opted_in = set()
+
+
+def _opt_in(kernel, args, shared_bytes):
+    """Set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES on the compiled kernel for args,
+    once per (kernel, argument types, device)."""
+    device = cuda.get_current_device()
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    key = (kernel, argtypes, device.id)
+    if key in _opted_in:
+        return
+    limit = device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    if shared_bytes > limit:
+        raise ValueError(f"this kernel needs {shared_bytes} bytes of shared memory per block; "
+                         f"this GPU allows {limit}")
+    from numba.cuda.cudadrv.driver import binding, driver
+    # numba-cuda (pinned < 0.31 in setup.cfg) exposes the loaded function only through its
+    # code library; its own shared-memory carveout setting goes the same way.
+    handle = kernel.compile(argtypes)._codelibrary.get_cufunc().handle
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, shared_bytes, handle, device.id)
+    _opted_in.add(key)
 
 
 @functools.lru_cache(maxsize=None)
 def make_cp_async_loader(head_dim, threads):
     """load_tile(tile, src, b, row0, h, nrows, rows): cp.async rows [row0, row0 + rows) of
-    src[b, :, h, :] into tile, 16 bytes per copy; rows at or past nrows are zero-filled."""
+    src[b, :, h, :] into tile, 16 bytes per copy; rows at or past nrows are zero-filled.
+
+    `rows` is a constant of the calling kernel, so the loop below has a constant trip count:
+    it unrolls, and each thread's chunk positions depend on its thread index only, so the
+    compiler computes them once per kernel instead of once per tile (a loop starting at the
+    thread index cost about 100 integer instructions per copy)."""
     chunks = head_dim // 8
 
     @cuda.jit(device=True, inline="always")
     def load_tile(tile, src, b, row0, h, nrows, rows):
-        for c in range(cuda.threadIdx.x, rows * chunks, threads):
-            r = c // chunks
-            col = (c % chunks) * 8
-            valid = row0 + r < nrows
-            cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
-                        16 if valid else 0)
+        total = rows * chunks
+        for i in range((total + threads - 1) // threads):
+            c = cuda.threadIdx.x + i * threads
+            if total % threads == 0 or c < total:
+                r = c // chunks
+                col = (c % chunks) * 8
+                valid = row0 + r < nrows
+                cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
+                            16 if valid else 0)
 
     return load_tile
 

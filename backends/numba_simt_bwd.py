@@ -13,13 +13,12 @@ Three launches, no floating-point atomics, so repeated runs are bitwise identica
 Scores are in log2 units (one operand pre-scaled by softmax_scale·log2(e), lse by log2(e)).
 """
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32
 
 from numba_flash.config import simt_backward_config
-from numba_flash.intrinsics import SHARED_ALIGN
+from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import bf16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
@@ -118,7 +117,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16):
                 r = ty + TY * i
                 for j in range(TQ):
                     c = tx + TX * j
-                    p = math.exp2(s[i, j] - lse_tile[c])
+                    p = exp2(s[i, j] - lse_tile[c])
                     if needs_mask and n0 + r > m0 + c + offset:
                         p = ZERO
                     p_tile[r, c] = p
@@ -202,7 +201,7 @@ def _dq_kernel_function(config, head_dim, causal, bf16):
                 r = ty + TY * i
                 for j in range(TN):
                     c = tx + TX * j
-                    p = math.exp2(s[i, j] - lse_i[i])
+                    p = exp2(s[i, j] - lse_i[i])
                     if needs_mask and (n0 + c >= seqlen_k or
                                        (causal and n0 + c > m0 + r + offset)):
                         p = ZERO

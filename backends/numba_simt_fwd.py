@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_flash.config import simt_forward_config
-from numba_flash.intrinsics import SHARED_ALIGN
+from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
@@ -105,11 +105,11 @@ def forward_kernel_function(config, head_dim, causal, bf16=False):
                 for t in range(TX):
                     m_new = max(m_new, row_partial[r, t])
                 m_ref = m_new if m_new != NEG_INF else ZERO  # row has seen no key yet
-                alpha = math.exp2(m_i[i] - m_ref)
+                alpha = exp2(m_i[i] - m_ref)
                 m_i[i] = m_new
                 l_new = ZERO
                 for j in range(TN):
-                    p = math.exp2(s[i, j] - m_ref)
+                    p = exp2(s[i, j] - m_ref)
                     p_tile[r, tx + TX * j] = p
                     l_new += p
                 l_i[i] = l_i[i] * alpha + l_new

@@ -107,6 +107,14 @@ def backward_shared_bytes(config, head_dim):
     return 4 * (floats + 2 * config.block_m)
 
 
+#: Tensor-core kernels keep 16-bit tiles in dynamic shared memory, rows of head_dim halves padded
+#: by ROW_PAD halves (16 bytes) so that the 8 row addresses of an ldmatrix start 4 banks apart.
+ROW_PAD = 8
+#: The most shared memory a tensor-core config may take (above 48 KiB a kernel opts in): what
+#: sm_86 and sm_89 give one block. sm_80 gives 163 KiB and sm_90 227 KiB.
+MMA_SHARED_MEMORY_BYTES = 99 * 1024
+
+
 @dataclass(frozen=True)
 class MmaConfig:
     """Tile shape of the tensor-core forward: `warps` warps of 16·slices query rows each, key
@@ -134,6 +142,11 @@ _MMA_FORWARD = (
 )
 
 
+def mma_forward_shared_bytes(config, head_dim):
+    """Shared memory of the tensor-core forward: the Q tile and one K and one V tile."""
+    return 2 * (config.block_m + 2 * config.block_n) * (head_dim + ROW_PAD)
+
+
 def mma_forward_config(head_dim):
     """The tensor-core forward's config for head_dim, or None if it has none."""
     return None if head_dim % 16 else _lookup(_MMA_FORWARD, head_dim)
@@ -157,6 +170,16 @@ _MMA_BACKWARD = (
     (64, MmaBackwardConfig(block_m=16, block_n=64, warps=4)),
     (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
 )
+
+
+def mma_backward_shared_bytes(config, head_dim):
+    """(dK/dV kernel, dQ kernel) shared memory of the tensor-core backward: K, V tiles of
+    16·warps keys, Q, dO tiles of block_m queries, and their lse and D values; Q, dO tiles of
+    16·warps queries and K, V tiles of block_n keys."""
+    rows, row_bytes = 16 * config.warps, 2 * (head_dim + ROW_PAD)
+    dk_dv = 2 * (rows + config.block_m) * row_bytes + 2 * 4 * config.block_m
+    dq = 2 * (rows + config.block_n) * row_bytes
+    return dk_dv, dq
 
 
 def mma_backward_config(head_dim):

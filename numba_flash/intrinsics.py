@@ -359,8 +359,71 @@ def _make_shfl_xor():
     return shfl_xor
 
 
+# -- tiles of dynamic shared memory ---------------------------------------------------------------
+
+@intrinsic
+def _shared_tile(typingctx, smem, offset, rows, cols, dtype):
+    """The (rows, cols) C-order tile of `dtype` elements that starts `offset` bytes into a 1-D
+    shared array (the kernel's dynamic shared memory), for literal offset, rows and cols.
+    Numba's reshape of a slice would check sizes at run time and keep the shape in local
+    memory; this view has a static shape and costs one address add."""
+    literals = (offset, rows, cols)
+    if not (isinstance(smem, types.Array) and smem.ndim == 1 and
+            isinstance(dtype, types.NumberClass) and
+            all(isinstance(x, types.IntegerLiteral) for x in literals)):
+        return None
+    tile_type = types.Array(dtype.instance_type, 2, "C")
+    sig = tile_type(smem, offset, rows, cols, dtype)
+    start, n_rows, n_cols = (x.literal_value for x in literals)
+
+    def codegen(context, builder, sig, args):
+        base = context.make_array(sig.args[0])(context, builder, args[0])
+        tile = context.make_array(tile_type)(context, builder)
+        itemsize = context.get_abi_sizeof(context.get_data_type(tile_type.dtype))
+        byte_pointer = builder.bitcast(base.data, ir.IntType(8).as_pointer())
+        data = builder.bitcast(builder.gep(byte_pointer, [ir.Constant(_I64, start)]),
+                               tile.data.type)
+        intp = lambda value: context.get_constant(types.intp, value)  # noqa: E731
+        context.populate_array(tile, data=data, shape=[intp(n_rows), intp(n_cols)],
+                               strides=[intp(n_cols * itemsize), intp(itemsize)],
+                               itemsize=intp(itemsize), meminfo=None)
+        return tile._getvalue()
+
+    return sig, codegen
+
+
+def _shared_tile_python(smem, offset, rows, cols, dtype):
+    dtype = np.dtype(str(dtype))
+    size = rows * cols * dtype.itemsize
+    return smem.view(np.uint8)[offset:offset + size].view(dtype).reshape(rows, cols)
+
+
+# -- exp2 ------------------------------------------------------------------------------------------
+
+@intrinsic
+def _exp2(typingctx, x):
+    """2**x by ex2.approx.ftz.f32. math.exp2 gives ex2.approx.f32 without .ftz, which ptxas
+    wraps in a denormal fix-up (a compare, two multiplies and a select around each MUFU.EX2);
+    softmax terms below 2**-126 count for nothing next to the row's largest term, which is 1."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        value = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _asm(builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", [value], outputs=[_F32])[0]
+
+    return sig, codegen
+
+
+_FLT_MIN = np.float32(2.0 ** -126)
+
+
+def _exp2_python(x):
+    with np.errstate(over="ignore"):
+        y = np.exp2(np.float32(x))
+    return np.float32(0.0) if y < _FLT_MIN else y
+
+
 # -- the public names ------------------------------------------------------------------------------
-# Exponentials need no intrinsic: math.exp2 on float32 compiles to ex2.approx.f32.
 
 if SIMULATED:
     load_f32x4 = _load_f32x4_python
@@ -373,6 +436,8 @@ if SIMULATED:
     cp_async_16 = _cp_async_16_python
     cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
     shfl_xor = _shfl_xor_python
+    exp2 = _exp2_python
+    shared_tile = _shared_tile_python
 else:
     load_f32x4 = _load_f32x4
     mma_f16 = _make_mma("f16")
@@ -384,6 +449,8 @@ else:
     cp_async_16 = _cp_async_16
     cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
     shfl_xor = _make_shfl_xor()
+    exp2 = _exp2
+    shared_tile = _shared_tile
 
 
 def _name_intrinsics_for_the_cache():

@@ -3,9 +3,9 @@
 Uses libNVVM from pip (numba-cuda[cu13]). For each kernel it reports whether the PTX declares
 local memory (`__local_depot`: a register array placed in memory), counts the key instructions,
 and, when a ptxas of the same CUDA release is installed (the `test` extra brings it), the
-registers, spill bytes and static shared memory from `ptxas -v`. Prints one JSON object per
-kernel; exits 1 if any kernel uses local memory, spills, or needs over 48 KiB of static shared
-memory.
+registers, spill bytes and static shared memory from `ptxas -v`, beside the dynamic shared
+memory the tensor-core configs ask for. Prints one JSON object per kernel; exits 1 if any kernel
+uses local memory, spills, or needs over 48 KiB of static or 99 KiB of dynamic shared memory.
 
     python scripts/ptx_check.py --cc 80 90
 """
@@ -28,8 +28,9 @@ from numba_flash.backends.numba_mma_bwd import (  # noqa: E402
 from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noqa: E402
 from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
-from numba_flash.config import (SHARED_MEMORY_BYTES, mma_backward_config,  # noqa: E402
-                                mma_forward_config,
+from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  # noqa: E402
+                                mma_backward_config, mma_backward_shared_bytes,
+                                mma_forward_config, mma_forward_shared_bytes,
                                 simt_backward_config, simt_forward_config)
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
@@ -66,7 +67,8 @@ def ptxas_report(ptxas, ptx, cc):
 
 
 def kernel_cases(head_dims, dtypes):
-    """(name, python function, signature) for every kernel of every (head_dim, causal, dtype)."""
+    """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
+    (head_dim, causal, dtype)."""
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
@@ -76,39 +78,43 @@ def kernel_cases(head_dims, dtypes):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
                 fwd = forward_kernel_function(simt_forward_config(head_dim), head_dim, causal,
                                               bf16)
-                yield f"forward_{tag}", fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)"
+                yield f"forward_{tag}", fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)", 0
                 delta, dk_dv, dq = backward_kernel_functions(
                     simt_backward_config(head_dim), head_dim, causal, bf16)
                 if not causal:  # the delta kernel does not depend on causal
-                    yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})"
+                    yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0
                 yield (f"bwd_dk_dv_{tag}", dk_dv,
-                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, float32)")
+                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, float32)", 0)
                 yield (f"bwd_dq_{tag}", dq,
-                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)")
+                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)", 0)
 
 
 def mma_kernel_cases(head_dims):
-    """The tensor-core kernels for every head dim that has an mma config."""
+    """The tensor-core kernels for every head dim that has an mma config (their tiles are in
+    dynamic shared memory, so ptxas does not see them: the config says how much)."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
         config = mma_forward_config(head_dim)
         if config is None:
             continue
+        bwd = mma_backward_config(head_dim)
+        dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for causal in (False, True):
             for bf16 in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
                                                  bf16)
                 yield (f"mma_forward_{tag}", fn,
-                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)")
-                bwd = mma_backward_config(head_dim)
+                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)",
+                       mma_forward_shared_bytes(config, head_dim))
                 f3 = "float32[:, :, :]"
                 yield (f"mma_bwd_dk_dv_{tag}",
                        mma_dk_dv_kernel_function(bwd.block_m, bwd.warps, head_dim, causal, bf16),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)")
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)",
+                       dk_dv_bytes)
                 yield (f"mma_bwd_dq_{tag}",
                        mma_dq_kernel_function(bwd.block_n, bwd.warps, head_dim, causal, bf16),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)")
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
 
 
 def main(argv=None):
@@ -124,14 +130,16 @@ def main(argv=None):
     for cc in args.cc:
         cases = list(kernel_cases(args.head_dims, args.dtypes)) + list(
             mma_kernel_cases(args.head_dims))
-        for name, function, signature in cases:
+        for name, function, signature, dynamic_bytes in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
-            report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx}
+            report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx,
+                      "dynamic_shared_bytes": dynamic_bytes}
             report.update({op: ptx.count(op) for op in COUNTED})
             if ptxas:
                 report.update(ptxas_report(ptxas, ptx, cc))
             failed += report["local_memory"] or report.get("spill_bytes", 0) > 0 or \
-                report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES
+                report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES or \
+                dynamic_bytes > MMA_SHARED_MEMORY_BYTES
             print(json.dumps(report), flush=True)
             if args.save:
                 os.makedirs(args.save, exist_ok=True)

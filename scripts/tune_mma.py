@@ -1,10 +1,10 @@
 """Time candidate tile configs of the tensor-core kernels side by side on one GPU.
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
-with CUDA events (median of 7). Candidates that do not compile (e.g. more than 48 KiB of static
-shared memory) are reported and skipped. A candidate the GPU's driver accepts can still break the
-rules of the config table (no spills, at most 48 KiB of static shared memory, checked with
-ptxas): run scripts/ptx_check.py on a winner before choosing it for numba_flash/config.py.
+with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
+numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. The candidates listed
+compile without spills for sm_90 (ptxas, 2026-11-29); check a winner with scripts/ptx_check.py
+before choosing it for numba_flash/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
 """
@@ -16,12 +16,12 @@ import numpy as np
 import harness
 
 FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
-    64: [(64, 8, 1), (64, 4, 1), (32, 8, 1), (32, 4, 2), (32, 2, 2), (32, 8, 2)],
-    128: [(32, 4, 1), (16, 8, 1), (16, 4, 2), (16, 2, 2)],
+    64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2)],
+    128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2)],
 }
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps)]
-    64: [(32, 64, 4), (64, 64, 4), (32, 32, 4), (16, 64, 4), (64, 32, 2), (32, 64, 8)],
-    128: [(16, 16, 4), (32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 16, 2), (16, 16, 8)],
+    64: [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8), (32, 32, 8), (16, 64, 8)],
+    128: [(16, 16, 4), (16, 32, 4), (16, 16, 8), (16, 32, 8)],
 }
 
 

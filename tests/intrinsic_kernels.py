@@ -1,11 +1,12 @@
 """Small kernels exercising each intrinsic; used by tests/test_intrinsics.py (simulator and GPU)
 and compiled to PTX by its PTX test. Each launches with whole warps."""
 from numba import cuda
-from numba.core.types import float16
+from numba.core.types import float16, float32, uint16
 
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
-                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16x2,
-                                    pack_f16x2, shfl_xor, unpack_bf16x2, unpack_f16x2)
+                                    exp2, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
+                                    pack_bf16x2, pack_f16x2, shared_tile, shfl_xor, unpack_bf16x2,
+                                    unpack_f16x2)
 
 
 def _make_mma_kernel(mma, name):
@@ -77,6 +78,31 @@ def pack_kernel(x, f16_words, bf16_words, f16_back, bf16_back):
     bf16_back[i, 1] = hi
 
 
+def exp2_kernel(x, y):
+    i = cuda.threadIdx.x
+    y[i] = exp2(x[i])
+
+
+def shared_tile_kernel(halves, words, halves_out, words_out):
+    """Two tiles carved from dynamic shared memory: a (4, 24) uint16 tile at byte 0 and a
+    (2, 8) float32 tile at byte 192, filled and read back through their 2-D views."""
+    smem = cuda.shared.array(0, uint16, SHARED_ALIGN)
+    a = shared_tile(smem, 0, 4, 24, uint16)
+    b = shared_tile(smem, 192, 2, 8, float32)
+    i = cuda.threadIdx.x
+    for c in range(24):
+        a[i, c] = halves[i, c]
+    if i < 2:
+        for c in range(8):
+            b[i, c] = words[i, c]
+    cuda.syncthreads()
+    for c in range(24):
+        halves_out[i, c] = smem[24 * i + c]  # the tiles are where the offsets say
+    if i < 2:
+        for c in range(8):
+            words_out[i, c] = b[i, c]
+
+
 # (kernel, PTX signature, instructions its PTX must contain)
 PTX_CASES = [
     (mma_f16_kernel, "(uint32[:, :, :], uint32[:, :, :], float32[:, :, :], float32[:, :, :])",
@@ -90,4 +116,7 @@ PTX_CASES = [
     (shfl_sum_kernel, "(float32[:], float32[:])", ["shfl.sync.bfly"]),
     (pack_kernel, "(float32[:, :], uint32[:], uint32[:], float32[:, :], float32[:, :])",
      ["cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "cvt.f32.f16"]),
+    (exp2_kernel, "(float32[:], float32[:])", ["ex2.approx.ftz.f32"]),
+    (shared_tile_kernel, "(uint16[:, :], float32[:, :], uint16[:, :], float32[:, :])",
+     ["st.shared.f32", "ld.shared.u16"]),
 ]

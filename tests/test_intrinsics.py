@@ -140,6 +140,28 @@ def test_pack_and_unpack(rng, mode):
         assert np.array_equal(back, _from_bits16(bits, dtype)), dtype
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_exp2_flushes_like_ex2_approx_ftz(rng, mode):
+    x = np.concatenate([rng.uniform(-30, 30, 28), [0.0, -np.inf, -130.0, -200.0]])
+    x = x.astype(np.float32)
+    y = np.full(32, np.nan, np.float32)
+    cuda.jit(kernels.exp2_kernel)[1, 32](x, y)
+    want = np.exp2(x.astype(np.float64))
+    assert np.allclose(y[:29], want[:29], rtol=1e-6, atol=0)  # ex2.approx: 2 ulp
+    assert np.array_equal(y[29:], [0.0, 0.0, 0.0])  # -inf, and results below 2**-126: zero
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_tile_views_dynamic_shared_memory(rng, mode):
+    halves = rng.integers(0, 2**16, (4, 24)).astype(np.uint16)
+    words = rng.standard_normal((2, 8)).astype(np.float32)
+    halves_out = np.zeros((4, 24), np.uint16)
+    words_out = np.full((2, 8), np.nan, np.float32)
+    cuda.jit(kernels.shared_tile_kernel)[1, 4, 0, 256](halves, words, halves_out, words_out)
+    assert np.array_equal(halves_out, halves)
+    assert np.array_equal(words_out, words)
+
+
 def test_intrinsics_compile_to_the_intended_ptx():
     code = (
         "import json, os, sys\n"

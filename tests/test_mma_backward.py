@@ -41,3 +41,14 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
     bases = plain16_backward(np, do, q, k, v, out, lse, causal, scale, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, decode(got, dtype), base, ref, "float16")
+
+
+def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():
+    # dK/dV: K, V tiles of 8 warps x 16 = 128 keys and Q, dO tiles of 128 queries, rows of
+    # 256 + 8 halves, plus 128 lse and 128 D values.
+    q = np.zeros((1, 16, 1, 256), np.uint16)
+    lse = np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match=r"MmaBackwardConfig\(block_m=128, block_n=16, warps=8\) "
+                                         r"at head_dim 256 needs 271360 bytes of shared memory"):
+        launch_mma_backward(q, q, q, q, q, lse, lse, q, q, q, False, 0.1, False,
+                            config=MmaBackwardConfig(128, 16, 8))

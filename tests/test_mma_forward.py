@@ -63,8 +63,10 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
 
 def test_configs_beyond_the_shared_memory_limit_are_refused():
     from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function
-    # Q: 4 warps x 3 slices x 16 = 192 rows; K and V: 32 rows each; rows of 128 + 8 halves.
-    with pytest.raises(ValueError, match=r"slices=3\) at head_dim 128 needs 69632 bytes"):
-        mma_forward_kernel_function(32, 4, 128, False, False, 3)
+    # Q: 8 warps x 3 slices x 16 = 384 rows; K and V: 64 rows each; rows of 128 + 8 halves.
+    with pytest.raises(ValueError, match=r"slices=3\) at head_dim 128 needs 139264 bytes of "
+                                         r"shared memory; tensor-core configs may take at most "
+                                         r"101376"):
+        mma_forward_kernel_function(64, 8, 128, False, False, 3)
     with pytest.raises(ValueError, match="slices and warps must be >= 1"):
         mma_forward_kernel_function(32, 4, 64, False, False, 0)

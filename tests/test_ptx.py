@@ -1,6 +1,7 @@
 """Every Numba kernel compiles for sm_80 and sm_90 without a GPU (libNVVM from pip) with the
-instructions the design relies on, no local memory, no register spills and at most 48 KiB of
-static shared memory (ptxas -v, from the `test` extra)."""
+instructions the design relies on, no local memory, no register spills, at most 48 KiB of
+static shared memory (ptxas -v, from the `test` extra) and, for the tensor-core kernels, at most
+99 KiB of dynamic shared memory."""
 import json
 import os
 import subprocess
@@ -56,10 +57,14 @@ def test_no_local_memory_and_no_spills(reports):
     assert not bad, f"kernels using local memory or spilling registers: {bad}"
 
 
-def test_static_shared_memory_fits(reports):
+def test_shared_memory_fits(reports):
     bad = [(r["kernel"], r["cc"], r["shared_bytes"]) for r in reports
            if r["shared_bytes"] > 48 * 1024]
     assert not bad, f"over 48 KiB of static shared memory: {bad}"
+    bad = [(r["kernel"], r["cc"], r["dynamic_shared_bytes"]) for r in reports
+           if r["dynamic_shared_bytes"] > 99 * 1024]
+    assert not bad, f"over 99 KiB of dynamic shared memory: {bad}"
+    assert all(r["dynamic_shared_bytes"] > 0 for r in reports if r["kernel"].startswith("mma_"))
 
 
 def test_instructions_present(reports):
