@@ -130,15 +130,16 @@ class MmaConfig:
         return 16 * self.warps * self.slices
 
 
-# Chosen by scripts/tune_mma.py on an H200, 2026-11-29, N = 4096, float16, full attention
-# (docs/tune_mma_2026-11-29.log): the fastest candidate that ptxas accepts with no spills and at
-# most 48 KiB of static shared memory (scripts/ptx_check.py). d64: (64, 8) 159 TFLOP/s against
-# 144 for (64, 4). d128: (32, 4) 124; (32, 8) ran at 138 on the H200's driver but needs 51 KiB
-# of static shared memory, which ptxas refuses. Head dims up to 64 use the d64 entry, up to 128
-# the d128 one; head dims that are not multiples of 16 run padded.
+# Chosen by scripts/tune_mma.py on an H200, 2026-11-29 (third session, commit 7e6c1f5), N = 4096,
+# float16, full attention (docs/tune_mma_2026-11-29b.log): the fastest candidate that compiles
+# without spills for sm_80 and sm_90, contiguous or strided, full or causal (scripts/ptx_check.py)
+# and fits MMA_SHARED_MEMORY_BYTES. d64: (32, 4, 2) 229.6 TFLOP/s against 215.8 for (32, 8, 2)
+# and 205.1 for (64, 4, 1). d128: (64, 8, 1) 197.5 (69.6 KiB of shared memory) against 164.0
+# for (16, 4, 2). Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that
+# are not multiples of 16 run padded.
 _MMA_FORWARD = (
-    (64, MmaConfig(block_n=64, warps=8)),
-    (128, MmaConfig(block_n=32, warps=4)),
+    (64, MmaConfig(block_n=32, warps=4, slices=2)),
+    (128, MmaConfig(block_n=64, warps=8)),
 )
 
 
@@ -162,12 +163,11 @@ class MmaBackwardConfig:
     warps: int
 
 
-# Chosen the same way (scripts/tune_mma.py, then ptxas): d64 (16, 64, 4) 92 TFLOP/s; (64, 64, 4)
-# ran at 108 but spills 120-312 bytes at 255 registers, and (32, 64, 8) at 92 needs 54 KiB of
-# static shared memory in the dq kernel. d128 (16, 16, 4) 77: the faster candidates
-# ((32, 32, 4) 87, (16, 32, 4) 84) need more than 48 KiB of static shared memory.
+# Chosen the same way: d64 (32, 64, 4) 115.4 TFLOP/s; (64, 64, 4) ran at 124.7 and (64, 64, 8)
+# at 121.5 but their dK/dV kernels spill on sm_90 for strided inputs (and (64, 64, 4) for
+# causal ones), so ptx_check refuses them. d128 (16, 16, 4) 100.2 against 99.3 for (16, 32, 4).
 _MMA_BACKWARD = (
-    (64, MmaBackwardConfig(block_m=16, block_n=64, warps=4)),
+    (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4)),
     (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
 )
 

@@ -93,6 +93,22 @@ def _element_address(context, builder, array_type, array_value, index_types, ind
     return builder.ptrtoint(pointer, _I64)
 
 
+def _row_element_address(context, builder, array_type, array_value, index_types, index_values):
+    """Generic address (i64) of array[indices] for an array whose last dimension is contiguous:
+    the last index counts items, whatever stride the array type carries. A strided ("A") array
+    then costs no more registers than a C-contiguous one: no per-thread product with a run-time
+    stride is kept alive across the kernel's loop."""
+    array = context.make_array(array_type)(context, builder, array_value)
+    indices = [context.cast(builder, v, t, types.intp)
+               for v, t in zip(index_values, index_types)]
+    strides = cgutils.unpack_tuple(builder, array.strides, array_type.ndim)
+    itemsize = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+    offset = builder.mul(indices[-1], ir.Constant(_I64, itemsize))
+    for index, stride in zip(indices[:-1], strides[:-1]):
+        offset = builder.add(offset, builder.mul(index, stride))
+    return builder.add(builder.ptrtoint(array.data, _I64), offset)
+
+
 def _casts(context, builder, values, from_types, to_type):
     return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types)]
 
@@ -278,7 +294,8 @@ _CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + _SHARED_ADDRESS.format("$0") 
 @intrinsic
 def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
     """Copy 16 bytes from &src[b, n, h, d] to &dst[drow, dcol]; with src_bytes = 0 the
-    destination is zero-filled instead (tails). Both addresses must be 16-byte aligned."""
+    destination is zero-filled instead (tails). Both addresses must be 16-byte aligned, and
+    src's last dimension must be contiguous (its stride is taken to be the item size)."""
     if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 2 and
             src.ndim == 4):
         return None
@@ -287,8 +304,8 @@ def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
     def codegen(context, builder, sig, args):
         dst_address = _element_address(context, builder, sig.args[0], args[0], sig.args[1:3],
                                        args[1:3])
-        src_address = _element_address(context, builder, sig.args[3], args[3], sig.args[4:8],
-                                       args[4:8])
+        src_address = _row_element_address(context, builder, sig.args[3], args[3],
+                                           sig.args[4:8], args[4:8])
         size = context.cast(builder, args[8], sig.args[8], types.uint32)
         _asm(builder, _CP_ASYNC, "l,l,r,~{memory}", [dst_address, src_address, size],
              side_effect=True)
@@ -301,6 +318,8 @@ def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
     """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does."""
     _check_aligned(dst, drow, dcol)
     _check_aligned(src, b, n, h, d)
+    if src.strides[-1] != src.itemsize:
+        raise ValueError(f"cp.async source rows must be contiguous; stride {src.strides[-1]}")
     if not 0 <= src_bytes <= 16:
         raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
     count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize

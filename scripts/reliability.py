@@ -17,7 +17,7 @@ import numpy as np
 
 import harness
 
-SANITIZE_SHAPES = [(2, 65, 17, 1, 64)]
+SANITIZE_SHAPES = [(2, 65, 17, 1, 64), (1, 33, 70, 2, 128)]  # (batch, seqlen_q, seqlen_k, heads, D)
 
 
 def _arrays(cp, torch, rng, shape, dtype):
