@@ -1,7 +1,8 @@
 """Tile configurations for the Numba kernels: one frozen dataclass and one heuristic per kernel.
 
-Static shared memory is capped at 48 KiB per block, so the tile sizes shrink as the head
-dimension grows. The SIMT kernels keep every tile in float32 whatever the input dtype.
+The SIMT kernels keep every tile in float32 whatever the input dtype, in static shared memory,
+which is capped at 48 KiB per block, so their tiles shrink as the head dimension grows. The
+tensor-core kernels keep 16-bit tiles in dynamic shared memory, up to MMA_SHARED_MEMORY_BYTES.
 """
 from dataclasses import dataclass
 

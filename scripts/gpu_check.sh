@@ -22,12 +22,12 @@ status=0
 for stage in "$@"; do
     case "$stage" in
         tests)
-            timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider \
+            timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
                 tests/test_intrinsics.py tests/test_mma_forward.py tests/test_mma_backward.py \
                 tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
         api)
-            timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+            timeout 400 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
         tune)
             timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;
