@@ -272,3 +272,32 @@ def test_strided_device_inputs(cp, rng):
         ref, _ = attention_forward(cp, *args, True, 0.125, "float64")
         base, _ = attention_forward(cp, *args, True, 0.125, "float16")
         assert_within_rule("out", out.get(), base.get(), ref.get(), "float16")
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-simt", "cupy"])
+def test_arrays_on_a_second_gpu(cp, rng, backend):
+    """Arrays on GPU 1 while GPU 0 is current: the kernels run on GPU 1 and the results stay
+    there; arrays spread over two GPUs are refused before any launch."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    shape, dtype, causal = (1, 300, 257, 2, 64), "float16", True
+    scale = shape[-1] ** -0.5
+    with cp.cuda.Device(1):
+        q, k, v, dout = _inputs(cp, rng, shape, dtype)
+    with cp.cuda.Device(0):
+        out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
+        grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
+    assert {x.device.id for x in (out, lse, *grads)} == {1}
+    with cp.cuda.Device(1):
+        ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
+        base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+        refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
+        bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, dtype)
+    assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
+    with cp.cuda.Device(0):
+        k_on_0 = cp.asarray(k.get())
+    with pytest.raises(ValueError, match="same GPU; got q on GPU 1, k on GPU 0, v on GPU 1"):
+        numba_flash.forward(q, k_on_0, v, backend=backend)
