@@ -27,7 +27,8 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
 from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
-from .numba_mma_tiles import (WARP, check_shared_bytes, launch_with_shared, make_cp_async_loader,
+from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes, launch_with_shared,
+                              make_cp_async_loader,
                               make_warp_accumulate, make_warp_scores, make_warp_store)
 
 
@@ -227,6 +228,7 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
     16-byte aligned rows; lse, delta (scratch): float32 (batch, nheads, seqlen_q).
     `config` overrides numba_flash.config.mma_backward_config (tests, tuning)."""
+    check_rows_contiguous(dout=dout, q=q, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     config = config or mma_backward_config(head_dim)

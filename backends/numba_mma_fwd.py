@@ -36,7 +36,8 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     pack_bf16x2, pack_f16x2, shared_tile, shfl_xor)
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
-from .numba_mma_tiles import WARP, check_shared_bytes, launch_with_shared, make_cp_async_loader
+from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes, launch_with_shared,
+                              make_cp_async_loader)
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,6 +256,7 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned; lse: float32 (batch, nheads, seqlen_q).
     `config` overrides numba_flash.config.mma_forward_config (tests, tuning)."""
+    check_rows_contiguous(q=q, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     config = config or mma_forward_config(head_dim)
     kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16,

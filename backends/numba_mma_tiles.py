@@ -23,6 +23,15 @@ def check_shared_bytes(shared_bytes, what):
                          f"configs may take at most {MMA_SHARED_MEMORY_BYTES}")
 
 
+def check_rows_contiguous(**arrays):
+    """The kernels' cp.async copies take each array's last dimension to be contiguous
+    (intrinsics.cp_async_16); the backend copies other views first (numba_backend.is_tile_ready)."""
+    for name, x in arrays.items():
+        if x.strides[-1] != x.dtype.itemsize:
+            raise ValueError(f"{name}: the last dimension must be contiguous; its stride is "
+                             f"{x.strides[-1]} bytes")
+
+
 def launch_with_shared(kernel, grid, threads, stream, shared_bytes, *args):
     """kernel[grid, threads, stream, shared_bytes](*args), opting the kernel in to more than
     48 KiB of dynamic shared memory first when it needs that."""

@@ -103,7 +103,17 @@ def resolve_softmax_scale(softmax_scale, headdim):
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be a finite positive number or None; "
                          f"got {softmax_scale!r}")
+    # The kernels scale in float32 with log2(e) folded in: a scale that rounds to 0 or to inf
+    # there would turn masked scores (-inf) into NaN.
+    if not _FLOAT32_SCALE_MIN <= scale <= _FLOAT32_SCALE_MAX:
+        raise ValueError(f"softmax_scale must be a finite positive number within float32 range "
+                         f"({_FLOAT32_SCALE_MIN:.0e} to {_FLOAT32_SCALE_MAX:.0e}) or None; "
+                         f"got {softmax_scale!r}")
     return scale
+
+
+_FLOAT32_SCALE_MIN = 1e-38  # scale · log2(e) stays a normal float32
+_FLOAT32_SCALE_MAX = 1e38  # and finite
 
 
 def check_causal(causal):

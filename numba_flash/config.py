@@ -133,11 +133,11 @@ class MmaConfig:
 
 # Chosen by scripts/tune_mma.py on an H200, 2026-11-29 (third session, commit 7e6c1f5), N = 4096,
 # float16, full attention (docs/tune_mma_2026-11-29b.log): the fastest candidate that compiles
-# without spills for sm_80 and sm_90, contiguous or strided, full or causal (scripts/ptx_check.py)
-# and fits MMA_SHARED_MEMORY_BYTES. d64: (32, 4, 2) 229.6 TFLOP/s against 215.8 for (32, 8, 2)
-# and 205.1 for (64, 4, 1). d128: (64, 8, 1) 197.5 (69.6 KiB of shared memory) against 164.0
-# for (16, 4, 2). Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that
-# are not multiples of 16 run padded.
+# without spills for sm_80 and sm_90, full or causal (scripts/ptx_check.py, strided arrays) and
+# fits MMA_SHARED_MEMORY_BYTES. d64: (32, 4, 2) 229.6 TFLOP/s against 215.8 for (32, 8, 2) and
+# 205.1 for (64, 4, 1). d128: (64, 8, 1) 197.5 (68 KiB of shared memory) against 164.0 for
+# (16, 4, 2). Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that are
+# not multiples of 16 run padded.
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=32, warps=4, slices=2)),
     (128, MmaConfig(block_n=64, warps=8)),

@@ -391,9 +391,11 @@ def _shared_tile(typingctx, smem, offset, rows, cols, dtype):
             isinstance(dtype, types.NumberClass) and
             all(isinstance(x, types.IntegerLiteral) for x in literals)):
         return None
+    start, n_rows, n_cols = (x.literal_value for x in literals)
+    if start % 16:
+        raise ValueError(f"shared_tile: offset {start} is not a multiple of 16 bytes")
     tile_type = types.Array(dtype.instance_type, 2, "C")
     sig = tile_type(smem, offset, rows, cols, dtype)
-    start, n_rows, n_cols = (x.literal_value for x in literals)
 
     def codegen(context, builder, sig, args):
         base = context.make_array(sig.args[0])(context, builder, args[0])
@@ -412,6 +414,8 @@ def _shared_tile(typingctx, smem, offset, rows, cols, dtype):
 
 
 def _shared_tile_python(smem, offset, rows, cols, dtype):
+    if offset % 16:
+        raise ValueError(f"shared_tile: offset {offset} is not a multiple of 16 bytes")
     dtype = np.dtype(str(dtype))
     size = rows * cols * dtype.itemsize
     return smem.view(np.uint8)[offset:offset + size].view(dtype).reshape(rows, cols)

@@ -103,7 +103,7 @@ def mma_kernel_cases(head_dims):
             for bf16 in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
-                                                 bf16)
+                                                 bf16, config.slices)
                 yield (f"mma_forward_{tag}", fn,
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)",
                        mma_forward_shared_bytes(config, head_dim))

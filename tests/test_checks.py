@@ -87,6 +87,14 @@ def test_bad_softmax_scale(qkv, scale):
         numba_flash.forward(*qkv, softmax_scale=scale)
 
 
+@pytest.mark.parametrize("scale", [1e-300, 1e-40, 1e39])
+def test_softmax_scale_outside_float32(qkv, scale):
+    # scale · log2(e) would round to 0 or inf in the kernels' float32 arithmetic
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite positive number within "
+                                         r"float32 range \(1e-38 to 1e\+38\) or None; got"):
+        numba_flash.forward(*qkv, softmax_scale=scale)
+
+
 def test_softmax_scale_not_a_number(qkv):
     with pytest.raises(TypeError, match="softmax_scale must be a finite positive number or None;"
                                         " got 'big'"):

@@ -70,3 +70,13 @@ def test_configs_beyond_the_shared_memory_limit_are_refused():
         mma_forward_kernel_function(64, 8, 128, False, False, 3)
     with pytest.raises(ValueError, match="slices and warps must be >= 1"):
         mma_forward_kernel_function(32, 4, 64, False, False, 0)
+
+
+def test_launch_refuses_a_strided_last_dimension():
+    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
+    q = np.zeros((1, 16, 1, 128), np.uint16)[..., ::2]  # 64 columns, 4 bytes apart
+    out = np.zeros((1, 16, 1, 64), np.uint16)
+    lse = np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match="q: the last dimension must be contiguous; its stride "
+                                         "is 4 bytes"):
+        launch_mma_forward(q, out, out, out, lse, False, 0.1, False)
