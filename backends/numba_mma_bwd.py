@@ -13,6 +13,9 @@ P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved 
      straight into A fragments (dO and Q read with ldmatrix.trans).
   3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
      dS = P ∘ (dP − D), dQ += dS K.
+Tiles live in dynamic shared memory. With MmaBackwardConfig.stages = 2 the loops of 2 and 3
+keep two buffers of the tile they stream (Q/dO with lse/D, or K/V) and load the next tile with
+cp.async while the current one is computed; with 1 stage they load, wait, then compute.
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data).
 """
 import functools
@@ -39,20 +42,36 @@ def mma_delta_kernel_function(head_dim, bf16):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
-    BLOCK_N, BLOCK_M, D = 16 * warps, block_m, head_dim
+def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
+    """dK, dV for one tile of 16·warps keys, looping over query tiles of block_m. With stages
+    = 2 the Q, dO, lse and D of the next query tile load while this one is computed."""
+    if stages not in (1, 2):
+        raise ValueError(f"stages must be 1 or 2; got {stages}")
+    BLOCK_N, BLOCK_M, D, STAGES = 16 * warps, block_m, head_dim, stages
     THREADS = WARP * warps
     NQ = BLOCK_M // 8  # 8-query blocks of Sᵀ
     DB = D // 8
     ROW = D + ROW_PAD  # halves per shared-memory row
     V_START = 2 * BLOCK_N * ROW  # where each tile starts in shared memory (bytes)
     Q_START = 2 * V_START
-    DO_START = Q_START + 2 * BLOCK_M * ROW
-    STATS_START = DO_START + 2 * BLOCK_M * ROW
+    QUERY_ROWS = STAGES * BLOCK_M  # the Q (and dO) buffers of all stages
+    DO_START = Q_START + 2 * QUERY_ROWS * ROW
+    STATS_START = DO_START + 2 * QUERY_ROWS * ROW
+    STATS_ROWS = 2 * STAGES  # lse and D of each stage
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(bf16, NQ, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
     store = make_warp_store(bf16, DB)
+
+    @cuda.jit(device=True, inline="always")
+    def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):
+        """Q, dO (cp.async) and lse, D (plain stores) of query tile m0 into buffer `stage`."""
+        load_tile(q_tiles, BLOCK_M * stage, q, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(do_tiles, BLOCK_M * stage, dout, b, m0, h, seqlen_q, BLOCK_M)
+        for r in range(cuda.threadIdx.x, BLOCK_M, THREADS):
+            in_range = m0 + r < seqlen_q
+            stats[2 * stage, r] = lse_log2(lse[b, h, m0 + r]) if in_range else POS_INF
+            stats[2 * stage + 1, r] = delta[b, h, m0 + r] if in_range else ZERO
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x
@@ -71,11 +90,9 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: K, V, Q, dO tiles
         k_tile = shared_tile(smem, 0, BLOCK_N, ROW, uint16)
         v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, uint16)
-        q_tile = shared_tile(smem, Q_START, BLOCK_M, ROW, uint16)
-        do_tile = shared_tile(smem, DO_START, BLOCK_M, ROW, uint16)
-        stats = shared_tile(smem, STATS_START, 2, BLOCK_M, float32)
-        lse_tile = stats[0]
-        delta_tile = stats[1]
+        q_tiles = shared_tile(smem, Q_START, QUERY_ROWS, ROW, uint16)
+        do_tiles = shared_tile(smem, DO_START, QUERY_ROWS, ROW, uint16)
+        stats = shared_tile(smem, STATS_START, STATS_ROWS, BLOCK_M, float32)
 
         s = cuda.local.array((NQ, 4), float32)  # Sᵀ, then Pᵀ
         dp = cuda.local.array((NQ, 4), float32)  # dPᵀ, then dSᵀ
@@ -86,41 +103,52 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
                 dk_acc[db, r] = ZERO
                 dv_acc[db, r] = ZERO
 
-        # Load: K and V of this key tile, once.
-        load_tile(k_tile, k, b, n0, h, seqlen_k, BLOCK_N)
-        load_tile(v_tile, v, b, n0, h, seqlen_k, BLOCK_N)
+        # Load: K and V of this key tile, once (and with two stages the first query tile).
+        load_tile(k_tile, 0, k, b, n0, h, seqlen_k, BLOCK_N)
+        load_tile(v_tile, 0, v, b, n0, h, seqlen_k, BLOCK_N)
         cp_async_commit()
-
         m_begin = query_begin(causal, n0, offset, BLOCK_M)
-        for m0 in range(m_begin, seqlen_q, BLOCK_M):
-            # Load: Q, dO (cp.async), lse and D for this query tile.
-            load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
-            load_tile(do_tile, dout, b, m0, h, seqlen_q, BLOCK_M)
+        if STAGES == 2:
+            if m_begin < seqlen_q:
+                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m_begin,
+                             seqlen_q, 0)
             cp_async_commit()
-            for r in range(tid, BLOCK_M, THREADS):
-                in_range = m0 + r < seqlen_q
-                lse_tile[r] = lse_log2(lse[b, h, m0 + r]) if in_range else POS_INF
-                delta_tile[r] = delta[b, h, m0 + r] if in_range else ZERO
-            cp_async_wait(0)
+
+        stage = 0
+        for m0 in range(m_begin, seqlen_q, BLOCK_M):
+            # Load: this query tile (one stage), or the next one behind this one (two stages).
+            if STAGES == 2:
+                if m0 + BLOCK_M < seqlen_q:
+                    load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h,
+                                 m0 + BLOCK_M, seqlen_q, 1 - stage)
+                cp_async_commit()  # (empty on the last tile: the counting stays uniform)
+                cp_async_wait(1)  # everything but the next tile has landed
+            else:
+                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0,
+                             seqlen_q, 0)
+                cp_async_commit()
+                cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
+            q_row0 = BLOCK_M * stage
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
-            scores(s, k_tile, 16 * warp, q_tile, 0)
-            scores(dp, v_tile, 16 * warp, do_tile, 0)
+            scores(s, k_tile, 16 * warp, q_tiles, q_row0)
+            scores(dp, v_tile, 16 * warp, do_tiles, q_row0)
             needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
             for nq in range(NQ):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                    p = exp2(s[nq, r] * scale_log2 - lse_tile[c])
+                    p = exp2(s[nq, r] * scale_log2 - stats[2 * stage, c])
                     if needs_mask and key_lo + 8 * (r // 2) > m0 + c + offset:
                         p = ZERO
                     s[nq, r] = p
-                    dp[nq, r] = p * (dp[nq, r] - delta_tile[c])
+                    dp[nq, r] = p * (dp[nq, r] - stats[2 * stage + 1, c])
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
-            accumulate(dv_acc, s, do_tile, 0)
-            accumulate(dk_acc, dp, q_tile, 0)
-            cuda.syncthreads()  # why: all warps are done with Q, dO before the next tile lands
+            accumulate(dv_acc, s, do_tiles, q_row0)
+            accumulate(dk_acc, dp, q_tiles, q_row0)
+            cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
+            stage = (stage + 1) % STAGES
 
         # Epilogue: one write of dK and dV.
         store(dk, dk_acc, b, key_lo, h, seqlen_k, softmax_scale, softmax_scale)
@@ -130,19 +158,29 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
-    BLOCK_M, BLOCK_N, D = 16 * warps, block_n, head_dim
+def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
+    """dQ for one tile of 16·warps queries, looping over key tiles of block_n. With stages = 2
+    the K and V of the next key tile load while this one is computed."""
+    if stages not in (1, 2):
+        raise ValueError(f"stages must be 1 or 2; got {stages}")
+    BLOCK_M, BLOCK_N, D, STAGES = 16 * warps, block_n, head_dim, stages
     THREADS = WARP * warps
     NB = BLOCK_N // 8
     DB = D // 8
     ROW = D + ROW_PAD
     DO_START = 2 * BLOCK_M * ROW  # bytes
     K_START = 2 * DO_START
-    V_START = K_START + 2 * BLOCK_N * ROW
+    KEY_ROWS = STAGES * BLOCK_N  # the K (and V) buffers of all stages
+    V_START = K_START + 2 * KEY_ROWS * ROW
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(bf16, NB, D // 16)
     accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
     store = make_warp_store(bf16, DB)
+
+    @cuda.jit(device=True, inline="always")
+    def load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, stage):
+        load_tile(k_tiles, BLOCK_N * stage, k, b, n0, h, seqlen_k, BLOCK_N)
+        load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, seqlen_k, BLOCK_N)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         tid = cuda.threadIdx.x
@@ -166,8 +204,8 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: Q, dO, K, V tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, uint16)
         do_tile = shared_tile(smem, DO_START, BLOCK_M, ROW, uint16)
-        k_tile = shared_tile(smem, K_START, BLOCK_N, ROW, uint16)
-        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, uint16)
+        k_tiles = shared_tile(smem, K_START, KEY_ROWS, ROW, uint16)
+        v_tiles = shared_tile(smem, V_START, KEY_ROWS, ROW, uint16)
 
         s = cuda.local.array((NB, 4), float32)  # S, then P
         dp = cuda.local.array((NB, 4), float32)  # dP, then dS
@@ -176,23 +214,34 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
             for r in range(4):
                 dq_acc[db, r] = ZERO
 
-        # Load: Q and dO of this query tile, once.
-        load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
-        load_tile(do_tile, dout, b, m0, h, seqlen_q, BLOCK_M)
+        # Load: Q and dO of this query tile, once (and with two stages the first key tile).
+        load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(do_tile, 0, dout, b, m0, h, seqlen_q, BLOCK_M)
         cp_async_commit()
-
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
-        for n0 in range(0, n_end, BLOCK_N):
-            # Load: K, V tiles.
-            load_tile(k_tile, k, b, n0, h, seqlen_k, BLOCK_N)
-            load_tile(v_tile, v, b, n0, h, seqlen_k, BLOCK_N)
+        if STAGES == 2:
+            if n_end > 0:
+                load_keys(k_tiles, v_tiles, k, v, b, h, 0, seqlen_k, 0)
             cp_async_commit()
-            cp_async_wait(0)
+
+        stage = 0
+        for n0 in range(0, n_end, BLOCK_N):
+            # Load: this key tile (one stage), or the next one behind this one (two stages).
+            if STAGES == 2:
+                if n0 + BLOCK_N < n_end:
+                    load_keys(k_tiles, v_tiles, k, v, b, h, n0 + BLOCK_N, seqlen_k, 1 - stage)
+                cp_async_commit()  # (empty on the last tile: the counting stays uniform)
+                cp_async_wait(1)  # everything but the next tile has landed
+            else:
+                load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, 0)
+                cp_async_commit()
+                cp_async_wait(0)
             cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
+            k_row0 = BLOCK_N * stage
 
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
-            scores(s, q_tile, 16 * warp, k_tile, 0)
-            scores(dp, do_tile, 16 * warp, v_tile, 0)
+            scores(s, q_tile, 16 * warp, k_tiles, k_row0)
+            scores(dp, do_tile, 16 * warp, v_tiles, k_row0)
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
             for nb in range(NB):
                 for r in range(4):
@@ -206,8 +255,9 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
                     dp[nb, r] = p * (dp[nb, r] - (delta_hi if hi else delta_lo))
 
             # Accumulate: dQ += dS K (scaled at the end).
-            accumulate(dq_acc, dp, k_tile, 0)
-            cuda.syncthreads()  # why: all warps are done with K before the next tile lands
+            accumulate(dq_acc, dp, k_tiles, k_row0)
+            cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
+            stage = (stage + 1) % STAGES
 
         # Epilogue: one write of dQ.
         store(dq, dq_acc, b, row_lo, h, seqlen_q, softmax_scale, softmax_scale)
@@ -216,10 +266,10 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16):
+def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16, stages=1):
     functions = (mma_delta_kernel_function(head_dim, bf16),
-                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16),
-                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16))
+                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages),
+                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages))
     return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
@@ -233,7 +283,7 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     seqlen_k = k.shape[1]
     config = config or mma_backward_config(head_dim)
     delta_kernel, dk_dv_kernel, dq_kernel = mma_backward_kernels(
-        config.block_m, config.block_n, config.warps, head_dim, causal, bf16)
+        config.block_m, config.block_n, config.warps, head_dim, causal, bf16, config.stages)
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     rows, threads = 16 * config.warps, WARP * config.warps

@@ -110,11 +110,11 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
 
         # Load: Q, then the first K and V tiles, as three commit groups.
-        load_tile(q_tile, q, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
         cp_async_commit()
-        load_tile(k_tile, k, b, 0, h, seqlen_k, BLOCK_N)
+        load_tile(k_tile, 0, k, b, 0, h, seqlen_k, BLOCK_N)
         cp_async_commit()
-        load_tile(v_tile, v, b, 0, h, seqlen_k, BLOCK_N)
+        load_tile(v_tile, 0, v, b, 0, h, seqlen_k, BLOCK_N)
         cp_async_commit()
         cp_async_wait(2)
         cuda.syncthreads()  # why: the Q tile is complete before ldmatrix reads it
@@ -158,7 +158,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
 
             # Load: the next K tile, behind the softmax and P·V of this one.
             if n0 + BLOCK_N < n_end:
-                load_tile(k_tile, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+                load_tile(k_tile, 0, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
@@ -220,7 +220,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
 
             # Load: the next V tile, behind the next S = Q Kᵀ.
             if n0 + BLOCK_N < n_end:
-                load_tile(v_tile, v, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+                load_tile(v_tile, 0, v, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
             cp_async_commit()
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 

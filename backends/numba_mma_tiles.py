@@ -66,8 +66,9 @@ def _opt_in(kernel, args, shared_bytes):
 
 @functools.lru_cache(maxsize=None)
 def make_cp_async_loader(head_dim, threads):
-    """load_tile(tile, src, b, row0, h, nrows, rows): cp.async rows [row0, row0 + rows) of
-    src[b, :, h, :] into tile, 16 bytes per copy; rows at or past nrows are zero-filled.
+    """load_tile(tile, tile_row0, src, b, row0, h, nrows, rows): cp.async rows [row0, row0 +
+    rows) of src[b, :, h, :] into tile rows from tile_row0 on, 16 bytes per copy; rows at or
+    past nrows are zero-filled.
 
     `rows` is a constant of the calling kernel, so the loop below has a constant trip count:
     it unrolls, and each thread's chunk positions depend on its thread index only, so the
@@ -76,7 +77,7 @@ def make_cp_async_loader(head_dim, threads):
     chunks = head_dim // 8
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(tile, src, b, row0, h, nrows, rows):
+    def load_tile(tile, tile_row0, src, b, row0, h, nrows, rows):
         total = rows * chunks
         for i in range((total + threads - 1) // threads):
             c = cuda.threadIdx.x + i * threads
@@ -84,7 +85,7 @@ def make_cp_async_loader(head_dim, threads):
                 r = c // chunks
                 col = (c % chunks) * 8
                 valid = row0 + r < nrows
-                cp_async_16(tile, r, col, src, b, row0 + r if valid else 0, h, col,
+                cp_async_16(tile, tile_row0 + r, col, src, b, row0 + r if valid else 0, h, col,
                             16 if valid else 0)
 
     return load_tile

@@ -157,11 +157,13 @@ def mma_forward_config(head_dim):
 @dataclass(frozen=True)
 class MmaBackwardConfig:
     """Tile shape of the tensor-core backward: `warps` warps of 16 rows (keys in dk/dv,
-    queries in dq); dk/dv loops over query tiles of block_m, dq over key tiles of block_n."""
+    queries in dq); dk/dv loops over query tiles of block_m, dq over key tiles of block_n.
+    With stages = 2 each loop loads its next tile into a second buffer while it computes."""
 
     block_m: int
     block_n: int
     warps: int
+    stages: int = 1
 
 
 # Chosen the same way: d64 (32, 64, 4) 115.4 TFLOP/s; (64, 64, 4) ran at 124.7 and (64, 64, 8)
@@ -175,11 +177,11 @@ _MMA_BACKWARD = (
 
 def mma_backward_shared_bytes(config, head_dim):
     """(dK/dV kernel, dQ kernel) shared memory of the tensor-core backward: K, V tiles of
-    16·warps keys, Q, dO tiles of block_m queries, and their lse and D values; Q, dO tiles of
-    16·warps queries and K, V tiles of block_n keys."""
-    rows, row_bytes = 16 * config.warps, 2 * (head_dim + ROW_PAD)
-    dk_dv = 2 * (rows + config.block_m) * row_bytes + 2 * 4 * config.block_m
-    dq = 2 * (rows + config.block_n) * row_bytes
+    16·warps keys and, per stage, Q, dO tiles of block_m queries with their lse and D values;
+    Q, dO tiles of 16·warps queries and, per stage, K, V tiles of block_n keys."""
+    rows, row_bytes, stages = 16 * config.warps, 2 * (head_dim + ROW_PAD), config.stages
+    dk_dv = 2 * (rows + stages * config.block_m) * row_bytes + 2 * 4 * stages * config.block_m
+    dq = 2 * (rows + stages * config.block_n) * row_bytes
     return dk_dv, dq
 
 

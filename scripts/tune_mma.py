@@ -19,9 +19,9 @@ FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
     64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2)],
     128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2)],
 }
-BACKWARD = {  # head_dim -> [(block_m, block_n, warps)]
-    64: [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 64, 8), (32, 32, 8), (16, 64, 8)],
-    128: [(16, 16, 4), (16, 32, 4), (16, 16, 8), (16, 32, 8)],
+BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see MmaBackwardConfig
+    64: [(32, 64, 4, 1), (16, 64, 4, 1), (32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2)],
+    128: [(16, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2)],
 }
 
 
@@ -103,7 +103,7 @@ def main(argv=None):
                 error = max(float(cp.abs(g[first].astype(cp.float64) - r).max())
                             for g, r in zip(grads, ref))
                 ms = harness.median_ms(run)
-                print(f"bwd {tag} (block_m, block_n, warps)={shape}: "
+                print(f"bwd {tag} (block_m, block_n, warps, stages)={shape}: "
                       f"{2.5 * work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
     return 0
 

@@ -1,5 +1,7 @@
 """The tensor-core backward kernels (backends/numba_mma_bwd.py) against the float64 reference:
 under the simulator at small sizes, and with `-m gpu` on the GPU."""
+import dataclasses
+
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
@@ -7,7 +9,7 @@ from inputs import simulator_and_gpu_cases
 from test_mma_forward import decode, encode
 
 from numba_flash.backends.numba_mma_bwd import launch_mma_backward
-from numba_flash.config import MmaBackwardConfig
+from numba_flash.config import MmaBackwardConfig, mma_backward_config
 from numba_flash.standard_attention import attention_backward, attention_forward
 from numba_flash.testing import plain16_backward
 
@@ -21,9 +23,18 @@ CASES = simulator_and_gpu_cases(SHAPES, GPU_SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mode, shape", CASES)
 def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
-    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     if mode == "gpu":
-        seqlen_q, seqlen_k = 16 * seqlen_q + 3, 16 * seqlen_k + 5
+        batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+        shape = (batch, 16 * seqlen_q + 3, 16 * seqlen_k + 5, nheads, head_dim)
+    # The simulator runs a small config (fewer Python threads); the GPU the real one.
+    config = MmaBackwardConfig(block_m=32, block_n=32, warps=2) if mode == "simulator" else None
+    _run_backward(rng, shape, causal, dtype, config)
+
+
+def _run_backward(rng, shape, causal, dtype, config):
+    """launch_mma_backward on random 16-bit inputs (out, lse from float64 attention), each
+    gradient checked by the rule against float64."""
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
     (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n), dtype)
                                             for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
@@ -33,8 +44,6 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
     lse = np.ascontiguousarray(ref_lse, np.float32)
     grads = [np.full(x.shape, 0x7E00, np.uint16) for x in (qb, kb, vb)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
-    # The simulator runs a small config (fewer Python threads); the GPU the real one.
-    config = MmaBackwardConfig(block_m=32, block_n=32, warps=2) if mode == "simulator" else None
     launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
                         dtype == "bfloat16", config=config)
     refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
@@ -43,12 +52,37 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
         assert_within_rule(name, decode(got, dtype), base, ref, "float16")
 
 
+PIPELINED_CASES = simulator_and_gpu_cases([(1, 53, 41, 1, 16)],
+                                          [(2, 333, 725, 2, 64), (1, 725, 333, 2, 128)])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode, shape", PIPELINED_CASES)
+def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
+    """stages = 2: each loop loads its next tile into the other buffer while it computes.
+    The simulator's 16-row tiles give 4 query tiles per key tile and 3 key tiles per query
+    tile, so both buffers are used and refilled; the GPU runs the default tiles."""
+    if mode == "simulator":
+        config = MmaBackwardConfig(block_m=16, block_n=16, warps=1, stages=2)
+    else:
+        config = dataclasses.replace(mma_backward_config(shape[-1]), stages=2)
+    _run_backward(rng, shape, causal, dtype, config)
+
+
 def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():
     # dK/dV: K, V tiles of 8 warps x 16 = 128 keys and Q, dO tiles of 128 queries, rows of
     # 256 + 8 halves, plus 128 lse and 128 D values.
     q = np.zeros((1, 16, 1, 256), np.uint16)
     lse = np.zeros((1, 1, 16), np.float32)
-    with pytest.raises(ValueError, match=r"MmaBackwardConfig\(block_m=128, block_n=16, warps=8\) "
-                                         r"at head_dim 256 needs 271360 bytes of shared memory"):
+    with pytest.raises(ValueError, match=r"MmaBackwardConfig\(block_m=128, block_n=16, warps=8, "
+                                         r"stages=1\) at head_dim 256 needs 271360 bytes of "
+                                         r"shared memory"):
         launch_mma_backward(q, q, q, q, q, lse, lse, q, q, q, False, 0.1, False,
                             config=MmaBackwardConfig(128, 16, 8))
+
+
+def test_only_one_or_two_stages():
+    from numba_flash.backends.numba_mma_bwd import mma_dq_kernel_function
+    with pytest.raises(ValueError, match="stages must be 1 or 2; got 3"):
+        mma_dq_kernel_function(16, 4, 64, False, False, 3)
