@@ -150,6 +150,8 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
 
+        cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
+
         # Epilogue: one write of dK and dV.
         store(dk, dk_acc, b, key_lo, h, seqlen_k, softmax_scale, softmax_scale)
         store(dv, dv_acc, b, key_lo, h, seqlen_k, ONE, ONE)
@@ -258,6 +260,8 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
             accumulate(dq_acc, dp, k_tiles, k_row0)
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
+
+        cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dQ.
         store(dq, dq_acc, b, row_lo, h, seqlen_q, softmax_scale, softmax_scale)
