@@ -56,8 +56,7 @@ PIPELINED_CASES = simulator_and_gpu_cases([(1, 53, 41, 1, 16)],
                                           [(2, 333, 725, 2, 64), (1, 725, 333, 2, 128)])
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, dtype", [(False, "float16"), (True, "bfloat16")])
 @pytest.mark.parametrize("mode, shape", PIPELINED_CASES)
 def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
     """stages = 2: each loop loads its next tile into the other buffer while it computes.
