@@ -9,12 +9,10 @@ import functools
 
 from numba import cuda, float32, uint16
 
-from numba_flash.config import MMA_SHARED_MEMORY_BYTES
+from numba_flash.config import MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES
 from numba_flash.intrinsics import SIMULATED, cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
 
 WARP = 32
-#: Shared memory every block may use; a kernel that takes more must opt in first.
-DEFAULT_SHARED_BYTES = 48 * 1024
 
 
 def check_shared_bytes(shared_bytes, what):
@@ -35,7 +33,7 @@ def check_rows_contiguous(**arrays):
 def launch_with_shared(kernel, grid, threads, stream, shared_bytes, *args):
     """kernel[grid, threads, stream, shared_bytes](*args), opting the kernel in to more than
     48 KiB of dynamic shared memory first when it needs that."""
-    if shared_bytes > DEFAULT_SHARED_BYTES and not SIMULATED:
+    if shared_bytes > SHARED_MEMORY_BYTES and not SIMULATED:  # what needs no opt-in
         _opt_in(kernel, args, shared_bytes)
     kernel[grid, threads, stream, shared_bytes](*args)
 

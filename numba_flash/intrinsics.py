@@ -83,11 +83,16 @@ def _asm(builder, text, constraints, args, outputs=(), side_effect=False):
     return [builder.extract_value(result, i) for i in range(len(outputs))]
 
 
+def _array_and_indices(context, builder, array_type, array_value, index_types, index_values):
+    array = context.make_array(array_type)(context, builder, array_value)
+    return array, [context.cast(builder, v, t, types.intp)
+                   for v, t in zip(index_values, index_types)]
+
+
 def _element_address(context, builder, array_type, array_value, index_types, index_values):
     """Generic address (i64) of array[indices], without negative-index wraparound."""
-    array = context.make_array(array_type)(context, builder, array_value)
-    indices = [context.cast(builder, v, t, types.intp)
-               for v, t in zip(index_values, index_types)]
+    array, indices = _array_and_indices(context, builder, array_type, array_value, index_types,
+                                        index_values)
     pointer = cgutils.get_item_pointer(context, builder, array_type, array, indices,
                                        wraparound=False)
     return builder.ptrtoint(pointer, _I64)
@@ -98,9 +103,8 @@ def _row_element_address(context, builder, array_type, array_value, index_types,
     the last index counts items, whatever stride the array type carries. A strided ("A") array
     then costs no more registers than a C-contiguous one: no per-thread product with a run-time
     stride is kept alive across the kernel's loop."""
-    array = context.make_array(array_type)(context, builder, array_value)
-    indices = [context.cast(builder, v, t, types.intp)
-               for v, t in zip(index_values, index_types)]
+    array, indices = _array_and_indices(context, builder, array_type, array_value, index_types,
+                                        index_values)
     strides = cgutils.unpack_tuple(builder, array.strides, array_type.ndim)
     itemsize = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
     offset = builder.mul(indices[-1], ir.Constant(_I64, itemsize))
@@ -318,8 +322,6 @@ def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
     """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does."""
     _check_aligned(dst, drow, dcol)
     _check_aligned(src, b, n, h, d)
-    if src.strides[-1] != src.itemsize:
-        raise ValueError(f"cp.async source rows must be contiguous; stride {src.strides[-1]}")
     if not 0 <= src_bytes <= 16:
         raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
     count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize
