@@ -16,13 +16,14 @@ the intrinsics' Python twins. Numba is imported only when a backend is first use
 """
 import contextlib
 import functools
-import warnings
 
 import numpy as np
 
 from numba_flash import _arrays
 from numba_flash.backend_base import Backend
 from numba_flash.config import mma_backward_config, mma_forward_config
+
+from .numba_launch import DeviceView, device_view, on_device
 
 MMA = "tensor cores"
 SIMT = "SIMT"
@@ -57,10 +58,7 @@ def is_tile_ready(view, head_dim):
     unit stride along them and every row starting 16-byte aligned (cp.async copies 16 B)."""
     if int(view.shape[3]) != head_dim or int(view.strides[3]) != 2:
         return False
-    if hasattr(view, "__cuda_array_interface__"):
-        pointer = view.__cuda_array_interface__["data"][0]
-    else:
-        pointer = view.ctypes.data
+    pointer = view.ptr if isinstance(view, DeviceView) else view.ctypes.data
     return pointer % 16 == 0 and all(int(s) % 16 == 0 for s in view.strides[:3])
 
 
@@ -142,51 +140,34 @@ class NumbaBackend(Backend):
             reasons.append(reason)
         return None, "; ".join(reasons)
 
-    # -- launching -----------------------------------------------------------------------------
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _quiet_launch():
-        """Numba warns about grids smaller than the GPU; for small inputs that is expected."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*will likely result in GPU "
-                                                      "under-utilization")
-            yield
+    # -- launching (backends/numba_launch.py) -------------------------------------------------
 
     def _stream(self, ref):
-        """The caller's current stream for a launch (0 under the simulator)."""
+        """The caller's current stream for a launch, as a handle (0 under the simulator)."""
         if simulator_enabled():
             return 0
-        from numba import cuda
         handle = _arrays.caller_stream_handle(ref)
-        if handle in (None, 1):
-            return cuda.legacy_default_stream()
-        if handle == 2:
-            return cuda.per_thread_default_stream()
-        return cuda.external_stream(handle)
+        return 1 if handle is None else handle  # None: the legacy default stream
 
     def _view(self, x, bits=False):
-        """The kernels' view of x, sharing its memory: a Numba device array on the GPU, a NumPy
-        array under the simulator; with bits=True, its 16-bit patterns as uint16."""
+        """The kernels' view of x, sharing its memory: a DeviceView on the GPU, a NumPy array
+        under the simulator; with bits=True, its 16-bit patterns as uint16."""
         if type(x).__module__.startswith("torch"):
             x = x.detach()
             if bits:
                 import torch
-                x = x.view(torch.int16)  # torch exports no bfloat16 through the interfaces
+                x = x.view(torch.int16)  # NumPy has no bfloat16
         if simulator_enabled():  # the simulator copies its arguments, so only whole buffers
             view = np.ascontiguousarray(_arrays.as_numpy(x))
         else:
-            from numba import cuda
-            # sync=False: the caller's stream already orders the producer of x before us.
-            view = cuda.as_cuda_array(x, sync=False)
+            view = device_view(x)
         return view.view(np.uint16) if bits else view
 
     def _on_device(self, ref):
-        """Numba's current device set to the arrays' GPU for the allocations and launches."""
+        """The arrays' GPU made current for the allocations and launches."""
         if simulator_enabled():
             return contextlib.nullcontext()
-        from numba import cuda
-        return cuda.gpus[_arrays.device_id(ref)]
+        return on_device(_arrays.device_id(ref))
 
     def _new(self, ref, shape, dtype):
         """A new C-contiguous array of ref's library and device (outputs and scratch)."""
@@ -202,14 +183,13 @@ class NumbaBackend(Backend):
             out = self._new(q, tuple(int(s) for s in q.shape), dtype)
             lse = self._new(q, (batch, nheads, seqlen_q), "float32")
             stream = self._stream(q)
-            with self._quiet_launch():
-                if engine == MMA:
-                    self._mma_forward(q, k, v, out, lse, causal, softmax_scale, stream)
-                else:
-                    from .numba_simt_fwd import launch_forward
-                    bf16 = dtype == "bfloat16"  # passed as bit patterns
-                    views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
-                    launch_forward(*views, causal, softmax_scale, stream, bf16=bf16)
+            if engine == MMA:
+                self._mma_forward(q, k, v, out, lse, causal, softmax_scale, stream)
+            else:
+                from .numba_simt_fwd import launch_forward
+                bf16 = dtype == "bfloat16"  # passed as bit patterns
+                views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
+                launch_forward(*views, causal, softmax_scale, stream, bf16=bf16)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
@@ -222,17 +202,16 @@ class NumbaBackend(Backend):
             grads = [self._new(q, tuple(int(s) for s in x.shape), dtype) for x in (q, k, v)]
             delta = self._new(q, (batch, nheads, seqlen_q), "float32")
             stream = self._stream(q)
-            with self._quiet_launch():
-                if engine == MMA:
-                    self._mma_backward(dout, q, k, v, out, lse, delta, grads, causal,
-                                       softmax_scale, stream)
-                else:
-                    from .numba_simt_bwd import launch_backward
-                    bf16 = dtype == "bfloat16"  # passed as bit patterns
-                    views = ([self._view(x, bf16) for x in (dout, q, k, v, out)]
-                             + [self._view(lse), self._view(delta)]
-                             + [self._view(g, bf16) for g in grads])
-                    launch_backward(*views, causal, softmax_scale, stream, bf16=bf16)
+            if engine == MMA:
+                self._mma_backward(dout, q, k, v, out, lse, delta, grads, causal, softmax_scale,
+                                   stream)
+            else:
+                from .numba_simt_bwd import launch_backward
+                bf16 = dtype == "bfloat16"  # passed as bit patterns
+                views = ([self._view(x, bf16) for x in (dout, q, k, v, out)]
+                         + [self._view(lse), self._view(delta)]
+                         + [self._view(g, bf16) for g in grads])
+                launch_backward(*views, causal, softmax_scale, stream, bf16=bf16)
         return tuple(grads)
 
     # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------

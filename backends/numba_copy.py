@@ -6,6 +6,7 @@ that are not a multiple of 16), and to copy padded results back into the caller'
 from numba import cuda
 
 from .numba_backend import simulator_enabled
+from .numba_launch import launch
 
 THREADS = 256
 MAX_BLOCKS = 4096  # grid-stride beyond this: enough blocks to fill any current GPU
@@ -34,4 +35,4 @@ def copy_padded(src, dst, stream=0):
     total = dst.size
     if total:
         blocks = min(-(-total // THREADS), MAX_BLOCKS)
-        _copy_padded_kernel[blocks, THREADS, stream](src, dst)
+        launch(_copy_padded_kernel, blocks, THREADS, stream, 0, src, dst)

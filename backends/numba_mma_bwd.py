@@ -30,9 +30,10 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
 from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
-from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes, launch_with_shared,
-                              make_cp_async_loader,
-                              make_warp_accumulate, make_warp_scores, make_warp_store)
+from .numba_launch import launch
+from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes,
+                              make_cp_async_loader, make_warp_accumulate, make_warp_scores,
+                              make_warp_store)
 
 
 def mma_delta_kernel_function(head_dim, bf16):
@@ -293,9 +294,9 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     rows, threads = 16 * config.warps, WARP * config.warps
     dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(config, head_dim)
     check_shared_bytes(max(dk_dv_bytes, dq_bytes), f"{config} at head_dim {head_dim}")
-    delta_kernel[(-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream](
-        dout, out, delta)
-    launch_with_shared(dk_dv_kernel, (-(-seqlen_k // rows), nheads, batch), threads, stream,
-                       dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
-    launch_with_shared(dq_kernel, (-(-seqlen_q // rows), nheads, batch), threads, stream,
-                       dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale)
+    launch(delta_kernel, (-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream,
+           0, dout, out, delta)
+    launch(dk_dv_kernel, (-(-seqlen_k // rows), nheads, batch), threads, stream, dk_dv_bytes,
+           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+    launch(dq_kernel, (-(-seqlen_q // rows), nheads, batch), threads, stream, dq_bytes,
+           q, k, v, dout, lse, delta, dq, scale_log2, scale)

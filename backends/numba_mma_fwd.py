@@ -36,8 +36,8 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     pack_bf16x2, pack_f16x2, shared_tile, shfl_xor)
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
-from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes, launch_with_shared,
-                              make_cp_async_loader)
+from .numba_launch import launch
+from .numba_mma_tiles import WARP, check_rows_contiguous, check_shared_bytes, make_cp_async_loader
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,6 +262,5 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16,
                                 config.slices)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    launch_with_shared(kernel, grid, WARP * config.warps, stream,
-                       mma_forward_shared_bytes(config, head_dim), q, k, v, out, lse,
-                       np.float32(softmax_scale * float(LOG2E)))
+    launch(kernel, grid, WARP * config.warps, stream, mma_forward_shared_bytes(config, head_dim),
+           q, k, v, out, lse, np.float32(softmax_scale * float(LOG2E)))

@@ -1,5 +1,5 @@
-"""Pieces shared by the tensor-core kernels: tile shapes, cp.async tile loads, warp-level
-mma loops, and launches with dynamic shared memory.
+"""Pieces shared by the tensor-core kernels: tile shapes, cp.async tile loads and warp-level
+mma loops.
 
 Tiles are 16-bit patterns (uint16) carved out of the kernel's dynamic shared memory (so that
 a config may use more than the 48 KiB a block gets without opting in), rows padded by
@@ -9,8 +9,9 @@ import functools
 
 from numba import cuda, float32, uint16
 
-from numba_flash.config import MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES
-from numba_flash.intrinsics import SIMULATED, cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
+from numba_flash.config import MMA_SHARED_MEMORY_BYTES
+from numba_flash.intrinsics import cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
+
 
 WARP = 32
 
@@ -28,38 +29,6 @@ def check_rows_contiguous(**arrays):
         if x.strides[-1] != x.dtype.itemsize:
             raise ValueError(f"{name}: the last dimension must be contiguous; its stride is "
                              f"{x.strides[-1]} bytes")
-
-
-def launch_with_shared(kernel, grid, threads, stream, shared_bytes, *args):
-    """kernel[grid, threads, stream, shared_bytes](*args), opting the kernel in to more than
-    48 KiB of dynamic shared memory first when it needs that."""
-    if shared_bytes > SHARED_MEMORY_BYTES and not SIMULATED:  # what needs no opt-in
-        _opt_in(kernel, args, shared_bytes)
-    kernel[grid, threads, stream, shared_bytes](*args)
-
-
-_opted_in = set()
-
-
-def _opt_in(kernel, args, shared_bytes):
-    """Set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES on the compiled kernel for args,
-    once per (kernel, argument types, device)."""
-    device = cuda.get_current_device()
-    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-    key = (kernel, argtypes, device.id)
-    if key in _opted_in:
-        return
-    limit = device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-    if shared_bytes > limit:
-        raise ValueError(f"this kernel needs {shared_bytes} bytes of shared memory per block; "
-                         f"this GPU allows {limit}")
-    from numba.cuda.cudadrv.driver import binding, driver
-    # numba-cuda (pinned < 0.31 in setup.cfg) exposes the loaded function only through its
-    # code library; its own shared-memory carveout setting goes the same way.
-    handle = kernel.compile(argtypes)._codelibrary.get_cufunc().handle
-    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attribute, shared_bytes, handle, device.id)
-    _opted_in.add(key)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import bf16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
+from .numba_launch import launch
 from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
                           row_stride)
 
@@ -243,9 +244,10 @@ def launch_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     delta_grid = (-(-seqlen_q // DELTA_THREADS), nheads, batch)
-    delta_kernel[delta_grid, DELTA_THREADS, stream](dout, out, delta)
+    launch(delta_kernel, delta_grid, DELTA_THREADS, stream, 0, dout, out, delta)
     dk_dv_grid = (-(-seqlen_k // config.block_n), nheads, batch)
-    dk_dv_kernel[dk_dv_grid, config.threads, stream](
-        q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+    launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, 0,
+           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
     dq_grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    dq_kernel[dq_grid, config.threads, stream](q, k, v, dout, lse, delta, dq, scale_log2, scale)
+    launch(dq_kernel, dq_grid, config.threads, stream, 0,
+           q, k, v, dout, lse, delta, dq, scale_log2, scale)

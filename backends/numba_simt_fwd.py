@@ -20,6 +20,7 @@ from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
+from .numba_launch import launch
 from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
 
@@ -165,4 +166,4 @@ def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=No
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel = forward_kernel(config, head_dim, causal, bf16)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
-    kernel[grid, config.threads, stream](q, k, v, out, lse, scale_log2)
+    launch(kernel, grid, config.threads, stream, 0, q, k, v, out, lse, scale_log2)

@@ -3,6 +3,8 @@
 Everything here works from attributes (`shape`, `dtype`, `__cuda_array_interface__`) and the
 type's module name, so that `import numba_flash` needs neither CuPy nor torch.
 """
+import functools
+
 import numpy as np
 
 HOST = "numpy"
@@ -31,7 +33,11 @@ def is_device_kind(kind):
 
 def dtype_name(x):
     """The element type as a short name: 'float16', 'float32', 'bfloat16', 'int64', ..."""
-    dtype = x.dtype
+    return _dtype_name(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype):  # (NumPy's dtype.name costs microseconds, and every call asks often)
     if type(dtype).__module__.startswith("torch"):
         return str(dtype).replace("torch.", "")
     return np.dtype(dtype).name

@@ -166,12 +166,13 @@ class MmaBackwardConfig:
     stages: int = 1
 
 
-# Chosen the same way: d64 (32, 64, 4) 115.4 TFLOP/s; (64, 64, 4) ran at 124.7 and (64, 64, 8)
-# at 121.5 but their dK/dV kernels spill on sm_90 for strided inputs (and (64, 64, 4) for
-# causal ones), so ptx_check refuses them. d128 (16, 16, 4) 100.2 against 99.3 for (16, 32, 4).
+# Chosen the same way, with the two-stage candidates (2026-11-30, docs/tune_mma_2026-11-30.log):
+# d64 (16, 64, 4, 2 stages) 128.3 TFLOP/s against 111.0 for the one-stage (32, 64, 4) chosen
+# before and 120.5 for (32, 64, 4, 2 stages); d128 (16, 32, 4, 2 stages) 106.2 against 104.4 for
+# (16, 16, 4). ((64, 64, 4) ran at 124.7 on 2026-11-29 but its dK/dV kernel spills on sm_90.)
 _MMA_BACKWARD = (
-    (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4)),
-    (128, MmaBackwardConfig(block_m=16, block_n=16, warps=4)),
+    (64, MmaBackwardConfig(block_m=16, block_n=64, warps=4, stages=2)),
+    (128, MmaBackwardConfig(block_m=16, block_n=32, warps=4, stages=2)),
 )
 
 

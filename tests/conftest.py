@@ -52,3 +52,24 @@ def poisoned_outputs(monkeypatch):
             array[...] = float("nan")
         return array
     monkeypatch.setattr(NumbaBackend, "_new", poisoned)
+
+
+@pytest.fixture
+def cp():
+    """CuPy, for the GPU tests."""
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture
+def launch_streams(monkeypatch):
+    """The stream handle of every kernel launch the test makes (backends/numba_launch.py), in
+    order."""
+    from numba_flash.backends import numba_launch
+    seen = []
+    real = numba_launch._core_launch
+
+    def record(stream, *rest):
+        seen.append(int(stream.handle))
+        real(stream, *rest)
+    monkeypatch.setattr(numba_launch, "_core_launch", record)
+    return seen

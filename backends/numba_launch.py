@@ -1,0 +1,220 @@
+"""Kernel launches that cost little host time: compile through Numba once, then launch the
+compiled kernel directly.
+
+`kernel[grid, block, stream, shared](*args)` makes Numba type every argument, build a launch
+configuration and pack each array through a Numba device array; with the `cuda.as_cuda_array`
+views the backend used to make, one forward cost 0.83 ms of host time and one backward 1.6 ms
+(scripts/overhead.py, H200, 2026-11-30), against 37 µs and 226 µs for torch SDPA. bench.py's
+timer counts that time, and so does a caller waiting for the result.
+
+Here an array is a `DeviceView` (pointer, shape, strides, dtype, read straight from CuPy,
+torch or `__cuda_array_interface__`). The compiled kernel is looked up once per (kernel,
+argument types, device), and the arguments are packed the way Numba's kernel ABI lays an array
+out (`ARRAY_FIELDS`; numba-cuda is pinned < 0.31 in setup.cfg, and tests/test_launch.py checks
+the layout against Numba's data model). The launch goes through cuda.core, as Numba's does.
+Under the simulator the arrays are NumPy arrays and launches go through Numba as before.
+"""
+import ctypes
+import functools
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from numba_flash.config import SHARED_MEMORY_BYTES
+
+#: the fields of a Numba array argument, in the order its kernel parameters take them
+ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
+
+
+class DeviceView(NamedTuple):
+    """Where an array's elements are on the GPU: what a kernel launch needs of it."""
+    ptr: int
+    shape: tuple
+    strides: tuple  # bytes
+    dtype: np.dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def view(self, dtype):
+        """The same memory as another element type of the same size (e.g. float16 -> uint16)."""
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(f"cannot view {self.dtype} items as {dtype}")
+        return self._replace(dtype=dtype)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
+
+
+def device_view(x):
+    """A DeviceView of a CuPy array, a CUDA torch tensor (int16/float16/float32), or any object
+    with `__cuda_array_interface__` (a Numba device array, a DeviceView)."""
+    if isinstance(x, DeviceView):
+        return x
+    module = type(x).__module__ or ""
+    if module.startswith("cupy"):
+        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype)
+    if module.startswith("torch"):
+        size = x.element_size()
+        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()),
+                          np.dtype(str(x.dtype).replace("torch.", "")))
+    interface = x.__cuda_array_interface__
+    shape, dtype = tuple(interface["shape"]), np.dtype(interface["typestr"])
+    strides = interface.get("strides")
+    if strides is None:  # C-contiguous
+        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
+                        for i in range(len(shape)))
+    return DeviceView(interface["data"][0], shape, tuple(strides), dtype)
+
+
+def is_c_contiguous(shape, strides, itemsize):
+    """NumPy's rule: strides match a C layout wherever a dimension has more than one element."""
+    expected = itemsize
+    for extent, stride in zip(reversed(shape), reversed(strides)):
+        if extent == 0:
+            return True
+        if extent != 1:
+            if stride != expected:
+                return False
+            expected *= extent
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _array_type(dtype, ndim, c_contiguous):
+    from numba import types
+    from numba.np import numpy_support
+    return types.Array(numpy_support.from_dtype(dtype), ndim, "C" if c_contiguous else "A")
+
+
+def _argument(arg):
+    """(Numba type, kernel parameters) of one argument: a DeviceView or a float32 scalar."""
+    if isinstance(arg, np.float32):
+        from numba import types
+        return types.float32, (ctypes.c_float(arg),)
+    if not hasattr(arg, "shape"):
+        raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
+                        f"{type(arg).__name__}")
+    view = device_view(arg)
+    itemsize = view.dtype.itemsize
+    c_contiguous = is_c_contiguous(view.shape, view.strides, itemsize)
+    # meminfo, parent, nitems, itemsize, data, shape, strides (ARRAY_FIELDS)
+    return (_array_type(view.dtype, view.ndim, c_contiguous),
+            (0, 0, view.size, itemsize, int(view.ptr), *map(int, view.shape),
+             *map(int, view.strides)))
+
+
+def current_device():
+    """The ordinal of the GPU whose context is current on this thread, or None."""
+    from numba.cuda.cudadrv.driver import binding
+    error, device = binding.cuCtxGetDevice()
+    return int(device) if error == binding.CUresult.CUDA_SUCCESS else None
+
+
+def on_device(device):
+    """A context manager making `device` current, or nothing to do if it already is."""
+    import contextlib
+    if current_device() == device:
+        return contextlib.nullcontext()
+    from numba import cuda
+    return cuda.gpus[device]
+
+
+class _Compiled(NamedTuple):
+    kernel: object  # cuda.core Kernel
+    handle: object  # its driver handle
+    shared_limit: list  # [bytes of dynamic shared memory the kernel is opted in to]
+
+
+_compiled = {}
+_lock = threading.Lock()
+
+
+def _compile(kernel, argtypes, device):
+    """The loaded kernel for these argument types on `device` (compiling it on first use)."""
+    from numba import cuda
+    key = (kernel, argtypes, device)
+    with _lock, cuda.gpus[device]:
+        if key not in _compiled:
+            cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
+            _compiled[key] = _Compiled(cufunc.kernel, cufunc.handle, [SHARED_MEMORY_BYTES])
+        return _compiled[key]
+
+
+def _opt_in(compiled, shared_bytes, device):
+    """Let the kernel take `shared_bytes` of dynamic shared memory (above 48 KiB it must ask:
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import binding, driver
+    with _lock, cuda.gpus[device]:
+        if shared_bytes <= compiled.shared_limit[0]:
+            return
+        limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        if shared_bytes > limit:
+            raise ValueError(f"this kernel needs {shared_bytes} bytes of shared memory per "
+                             f"block; this GPU allows {limit}")
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attribute, shared_bytes, compiled.handle, device)
+        compiled.shared_limit[0] = shared_bytes
+
+
+def _core_stream(stream, device):
+    """A cuda.core stream for a stream handle; a Numba stream passes through (cuda.core takes
+    it by its `__cuda_stream__`)."""
+    return _stream_from_handle(stream, device) if isinstance(stream, int) else stream
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_from_handle(handle, device):  # (a wrapper: it never owns, or destroys, the stream)
+    from cuda.core import Stream
+    return Stream.from_handle(handle)
+
+
+def _core_launch(stream, config, kernel, *parameters):
+    from cuda.core import launch as core_launch
+    core_launch(stream, config, kernel, *parameters)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(grid, block, shared_bytes):
+    from cuda.core import LaunchConfig
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+
+
+def launch(kernel, grid, block, stream, shared_bytes, *args):
+    """kernel[grid, block, stream, shared_bytes](*args) on the current device.
+
+    `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
+    default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
+    simulator: anything Numba takes); `args` are arrays (anything `device_view` takes) and
+    float32 scalars."""
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        kernel[grid, block, stream, shared_bytes](*args)
+        return
+    argtypes, parameters = [], []
+    for arg in args:
+        argtype, values = _argument(arg)
+        argtypes.append(argtype)
+        parameters.extend(values)
+    device = current_device()
+    if device is None:  # no context yet on this thread: Numba's, on its current device
+        from numba import cuda
+        device = cuda.get_current_device().id
+    argtypes = tuple(argtypes)
+    compiled = _compiled.get((kernel, argtypes, device)) or _compile(kernel, argtypes, device)
+    if shared_bytes > compiled.shared_limit[0]:
+        _opt_in(compiled, shared_bytes, device)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    _core_launch(_core_stream(stream, device), _launch_config(grid, block, shared_bytes),
+                 compiled.kernel, *parameters)

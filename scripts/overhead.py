@@ -1,0 +1,98 @@
+"""Host time per call: how long the Python side of one call takes, against torch SDPA.
+
+At a tiny shape the GPU work is a few microseconds, so the time per call, with the stream
+synchronised after every call, is what a caller waits for beyond the kernels themselves.
+bench.py's timer includes it too (it records an event, calls, records an event), so at short
+sequences it decides part of the TFLOP/s. With --profile, cProfile's top entries for the
+numba forward and backward follow.
+
+    python scripts/overhead.py [--calls 300] [--profile]
+"""
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import harness
+
+
+def per_call_us(fn, sync, calls):
+    """Median microseconds of fn(); sync() after each call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="also print cProfile's top")
+    parser.add_argument("--shape", nargs=4, type=int, default=[1, 128, 4, 64],
+                        metavar=("B", "N", "H", "D"))
+    args = parser.parse_args(argv)
+    reason = harness.gpu_ready()
+    if reason:
+        print(f"overhead.py needs a CUDA GPU and CuPy ({reason})")
+        return 2
+    import cupy as cp
+
+    import numba_flash
+    batch, n, nheads, head_dim = args.shape
+    rng = np.random.default_rng(0)
+    q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
+    sync = cp.cuda.get_current_stream().synchronize
+    runs = {}
+    for backend in ("numba", "numba-simt"):
+        def fwd(backend=backend):
+            return numba_flash.forward(q, k, v, causal=True, backend=backend)
+        out, lse = fwd()
+
+        def bwd(backend=backend):
+            numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
+        runs[f"{backend} forward"] = fwd
+        runs[f"{backend} backward"] = bwd
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        tq, tk, tv, tdout = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa_fwd():
+            return sdpa(tq, tk, tv, is_causal=True)
+
+        def sdpa_fwdbwd():
+            a, b, c = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            sdpa(a, b, c, is_causal=True).backward(tdout)
+        runs["sdpa forward"] = sdpa_fwd
+        runs["sdpa forward+backward"] = sdpa_fwdbwd
+    print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 causal, {args.calls} calls, "
+          f"stream synchronised after each")
+    for name, fn in runs.items():
+        print(f"{name:24s} {per_call_us(fn, sync, args.calls):8.1f} us per call", flush=True)
+    if args.profile:
+        for name in ("numba forward", "numba backward"):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.calls):
+                runs[name]()
+            sync()
+            profile.disable()
+            print(f"\n== cProfile, {args.calls} x {name} (cumulative time)")
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(28)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""backends/numba_launch.py: array views and kernel parameters as Numba's kernel ABI lays them
+out (CPU), and launches on the GPU (the kernels' own GPU tests run through it too)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from numba_flash.backends import numba_launch
+from numba_flash.backends.numba_launch import DeviceView, device_view, is_c_contiguous
+
+
+class InterfaceOnly:
+    """An array known only through __cuda_array_interface__ (e.g. from another library)."""
+
+    def __init__(self, shape, typestr, strides=None, ptr=0x7000_0000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": strides,
+                                         "data": (ptr, False), "version": 3}
+
+
+def test_the_array_layout_is_numbas():
+    """The parameters launch() packs for an array follow the fields of Numba's CUDA data model
+    for arrays; a Numba release that changes them fails here, not on the GPU."""
+    code = ("from numba import types\n"
+            "from numba.cuda.descriptor import cuda_target\n"
+            "models = cuda_target.target_context.data_model_manager\n"
+            "for layout in 'CA':\n"
+            "    print(models[types.Array(types.uint16, 4, layout)]._fields)\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")  # the CUDA target, not the simulator
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    expected = str(numba_launch.ARRAY_FIELDS)
+    assert run.stdout.splitlines() == [expected, expected]
+
+
+def test_array_parameters(rng):
+    shape = tuple(int(s) for s in rng.integers(1, 9, size=4))
+    view = DeviceView(0x1234_5600, shape, (8 * shape[1] * shape[2] * shape[3],
+                                           8 * shape[2] * shape[3], 8 * shape[3], 8),
+                      np.dtype("float64"))
+    argtype, values = numba_launch._argument(view)
+    assert argtype.layout == "C" and argtype.ndim == 4 and str(argtype.dtype) == "float64"
+    # meminfo, parent, nitems, itemsize, data, shape, strides
+    assert values == (0, 0, int(np.prod(shape)), 8, 0x1234_5600, *shape, *view.strides)
+    strided = view._replace(strides=(view.strides[0], view.strides[1], 16 * shape[3], 16))
+    assert numba_launch._argument(strided)[0].layout == ("C" if shape[2] == shape[3] == 1
+                                                         else "A")
+    argtype, values = numba_launch._argument(np.float32(0.25))
+    assert str(argtype) == "float32" and values[0].value == 0.25
+
+
+def test_scalars_other_than_float32_are_refused():
+    with pytest.raises(TypeError, match="arrays or numpy.float32 scalars; got float"):
+        numba_launch._argument(0.25)
+
+
+@pytest.mark.parametrize("index", [np.s_[:, :, 0], np.s_[..., ::2], np.s_[:, 1:2], np.s_[::-1],
+                                   np.s_[:, :1, :, :], np.s_[:0]])
+def test_c_contiguity_is_numpys(index):
+    x = np.zeros((3, 4, 5, 6), np.float16)[index]
+    if x.ndim < 4:
+        x = x[..., None]
+    assert is_c_contiguous(x.shape, x.strides, x.itemsize) == x.flags.c_contiguous
+
+
+def test_views_of_interface_arrays():
+    packed = device_view(InterfaceOnly((2, 3, 4), "<f2"))
+    assert packed == DeviceView(0x7000_0000, (2, 3, 4), (24, 8, 2), np.dtype("float16"))
+    strided = device_view(InterfaceOnly((2, 3), "<f4", strides=(40, 4)))
+    assert strided.strides == (40, 4) and strided.size == 6
+    bits = strided.view(np.uint32)
+    assert bits.dtype == np.uint32 and bits.ptr == strided.ptr
+    with pytest.raises(ValueError, match="cannot view float32 items as uint16"):
+        strided.view(np.uint16)
+    assert device_view(bits) is bits
+    assert device_view(InterfaceOnly((2, 3), "<u4", strides=(40, 4))) == bits
+
+
+@pytest.mark.gpu
+def test_views_of_cupy_and_torch(cp):
+    x = cp.arange(2 * 5 * 3 * 8, dtype=cp.float16).reshape(2, 5, 3, 8)[:, 1:4]
+    assert device_view(x) == DeviceView(x.data.ptr, x.shape, x.strides, np.dtype("float16"))
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(x)
+    assert device_view(t) == device_view(x)
+
+
+@pytest.mark.gpu
+def test_launches_on_the_given_stream(cp, launch_streams):
+    """The copy kernel through launch(): right result, on the stream handle given."""
+    from numba_flash.backends.numba_copy import copy_padded
+    src = cp.random.standard_normal((2, 7, 3, 5)).astype(cp.float16)
+    dst = cp.full((2, 7, 3, 8), cp.nan, cp.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    copy_padded(device_view(src), device_view(dst), stream.ptr)
+    stream.synchronize()
+    assert launch_streams == [stream.ptr]
+    assert cp.array_equal(dst[..., :5], src) and not cp.any(dst[..., 5:])
