@@ -17,6 +17,7 @@ Under the simulator the arrays are NumPy arrays and launches go through Numba as
 import ctypes
 import functools
 import threading
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -27,12 +28,16 @@ from numba_flash.config import SHARED_MEMORY_BYTES
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
 
 
-class DeviceView(NamedTuple):
-    """Where an array's elements are on the GPU: what a kernel launch needs of it."""
+@dataclass(frozen=True)
+class DeviceView:
+    """Where an array's elements are on the GPU: what a kernel launch needs of it. `owner`,
+    the array it views, stays alive as long as the view does (a scratch array made for a
+    launch must not go back to its memory pool before the launch is queued)."""
     ptr: int
     shape: tuple
     strides: tuple  # bytes
     dtype: np.dtype
+    owner: object = field(default=None, compare=False, repr=False)
 
     @property
     def ndim(self):
@@ -47,7 +52,7 @@ class DeviceView(NamedTuple):
         dtype = np.dtype(dtype)
         if dtype.itemsize != self.dtype.itemsize:
             raise ValueError(f"cannot view {self.dtype} items as {dtype}")
-        return self._replace(dtype=dtype)
+        return replace(self, dtype=dtype)
 
     @property
     def __cuda_array_interface__(self):
@@ -56,32 +61,44 @@ class DeviceView(NamedTuple):
 
 
 def device_view(x):
-    """A DeviceView of a CuPy array, a CUDA torch tensor (int16/float16/float32), or any object
-    with `__cuda_array_interface__` (a Numba device array, a DeviceView)."""
+    """A DeviceView of a CuPy array, a CUDA torch tensor of a type NumPy has (bfloat16 ones
+    viewed as int16 first), or any object with `__cuda_array_interface__` (a Numba device
+    array, a DeviceView)."""
     if isinstance(x, DeviceView):
         return x
     module = type(x).__module__ or ""
     if module.startswith("cupy"):
-        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype)
+        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
     if module.startswith("torch"):
+        if not x.is_cuda:
+            raise TypeError(f"a CUDA tensor is needed here; got one on {x.device}")
+        name = str(x.dtype).replace("torch.", "")
+        if name == "bfloat16":
+            raise TypeError("NumPy has no bfloat16: pass x.view(torch.int16)")
         size = x.element_size()
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()),
-                          np.dtype(str(x.dtype).replace("torch.", "")))
-    interface = x.__cuda_array_interface__
+                          np.dtype(name), x)
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is None:
+        raise TypeError(f"a device array is needed here (CuPy, torch, or one with "
+                        f"__cuda_array_interface__); got {type(x).__name__}")
+    if interface.get("mask") is not None:
+        raise TypeError("masked arrays (__cuda_array_interface__ 'mask') are not supported")
     shape, dtype = tuple(interface["shape"]), np.dtype(interface["typestr"])
     strides = interface.get("strides")
     if strides is None:  # C-contiguous
         strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
                         for i in range(len(shape)))
-    return DeviceView(interface["data"][0], shape, tuple(strides), dtype)
+    return DeviceView(interface["data"][0], shape, tuple(strides), dtype, x)
 
 
 def is_c_contiguous(shape, strides, itemsize):
-    """NumPy's rule: strides match a C layout wherever a dimension has more than one element."""
+    """NumPy's rule: strides match a C layout wherever a dimension has more than one element
+    (and an empty array is contiguous)."""
+    if 0 in shape:
+        return True
     expected = itemsize
     for extent, stride in zip(reversed(shape), reversed(strides)):
-        if extent == 0:
-            return True
         if extent != 1:
             if stride != expected:
                 return False
@@ -101,7 +118,7 @@ def _argument(arg):
     if isinstance(arg, np.float32):
         from numba import types
         return types.float32, (ctypes.c_float(arg),)
-    if not hasattr(arg, "shape"):
+    if isinstance(arg, (np.generic, int, float)):
         raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
                         f"{type(arg).__name__}")
     view = device_view(arg)
@@ -167,14 +184,10 @@ def _opt_in(compiled, shared_bytes, device):
         compiled.shared_limit[0] = shared_bytes
 
 
-def _core_stream(stream, device):
-    """A cuda.core stream for a stream handle; a Numba stream passes through (cuda.core takes
-    it by its `__cuda_stream__`)."""
-    return _stream_from_handle(stream, device) if isinstance(stream, int) else stream
-
-
 @functools.lru_cache(maxsize=64)
-def _stream_from_handle(handle, device):  # (a wrapper: it never owns, or destroys, the stream)
+def _core_stream(handle):
+    """A cuda.core stream for a stream handle (a wrapper: it never owns, or destroys, the
+    stream; a launch uses only the handle)."""
     from cuda.core import Stream
     return Stream.from_handle(handle)
 
@@ -191,15 +204,26 @@ def _launch_config(grid, block, shared_bytes):
 
 
 def launch(kernel, grid, block, stream, shared_bytes, *args):
-    """kernel[grid, block, stream, shared_bytes](*args) on the current device.
+    """kernel[grid, block, stream, shared_bytes](*args) on the current device (the backend
+    makes the arrays' device current first: NumbaBackend._on_device).
 
     `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
-    simulator: anything Numba takes); `args` are arrays (anything `device_view` takes) and
-    float32 scalars."""
+    simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
+    and float32 scalars. NumPy arrays are copied to the GPU and back around the launch, as
+    Numba does (the kernel tests use that; it synchronises)."""
     from numba import config
     if config.ENABLE_CUDASIM:
         kernel[grid, block, stream, shared_bytes](*args)
+        return
+    host = [i for i, arg in enumerate(args) if isinstance(arg, np.ndarray)]
+    if host:
+        from numba import cuda
+        on_device = [cuda.to_device(arg) if i in host else arg for i, arg in enumerate(args)]
+        launch(kernel, grid, block, stream, shared_bytes, *on_device)
+        cuda.synchronize()
+        for i in host:
+            on_device[i].copy_to_host(args[i])
         return
     argtypes, parameters = [], []
     for arg in args:
@@ -216,5 +240,6 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
         _opt_in(compiled, shared_bytes, device)
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    _core_launch(_core_stream(stream, device), _launch_config(grid, block, shared_bytes),
+    handle = 0 if stream is None else int(stream)  # (a Numba stream gives its handle)
+    _core_launch(_core_stream(handle), _launch_config(grid, block, shared_bytes),
                  compiled.kernel, *parameters)

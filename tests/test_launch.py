@@ -1,8 +1,11 @@
 """backends/numba_launch.py: array views and kernel parameters as Numba's kernel ABI lays them
 out (CPU), and launches on the GPU (the kernels' own GPU tests run through it too)."""
+import gc
 import os
 import subprocess
 import sys
+import weakref
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -43,20 +46,47 @@ def test_array_parameters(rng):
     assert argtype.layout == "C" and argtype.ndim == 4 and str(argtype.dtype) == "float64"
     # meminfo, parent, nitems, itemsize, data, shape, strides
     assert values == (0, 0, int(np.prod(shape)), 8, 0x1234_5600, *shape, *view.strides)
-    strided = view._replace(strides=(view.strides[0], view.strides[1], 16 * shape[3], 16))
+    strided = replace(view, strides=(view.strides[0], view.strides[1], 16 * shape[3], 16))
     assert numba_launch._argument(strided)[0].layout == ("C" if shape[2] == shape[3] == 1
                                                          else "A")
     argtype, values = numba_launch._argument(np.float32(0.25))
     assert str(argtype) == "float32" and values[0].value == 0.25
 
 
-def test_scalars_other_than_float32_are_refused():
-    with pytest.raises(TypeError, match="arrays or numpy.float32 scalars; got float"):
-        numba_launch._argument(0.25)
+@pytest.mark.parametrize("scalar", [0.25, np.float64(0.25), np.int32(3), 7])
+def test_scalars_other_than_float32_are_refused(scalar):
+    with pytest.raises(TypeError, match="arrays or numpy.float32 scalars; got "
+                                        f"{type(scalar).__name__}"):
+        numba_launch._argument(scalar)
+
+
+def test_what_is_not_a_device_array_is_refused():
+    with pytest.raises(TypeError, match="a device array is needed here .* got ndarray"):
+        device_view(np.zeros((2, 3), np.float32))
+    masked = InterfaceOnly((2, 3), "<f4")
+    masked.__cuda_array_interface__["mask"] = InterfaceOnly((2, 3), "|b1")
+    with pytest.raises(TypeError, match="masked arrays"):
+        device_view(masked)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="a CUDA tensor is needed here; got one on cpu"):
+        device_view(torch.zeros(2, 3))
+
+
+def test_a_view_keeps_its_array_alive():
+    """A scratch array made for a launch must outlive the view the launch takes of it."""
+    array = InterfaceOnly((4, 8), "<f2")
+    alive = weakref.ref(array)
+    view = device_view(array).view(np.uint16)
+    del array
+    gc.collect()
+    assert alive() is not None and view.owner is alive()
+    del view
+    gc.collect()
+    assert alive() is None
 
 
 @pytest.mark.parametrize("index", [np.s_[:, :, 0], np.s_[..., ::2], np.s_[:, 1:2], np.s_[::-1],
-                                   np.s_[:, :1, :, :], np.s_[:0]])
+                                   np.s_[:, :1, :, :], np.s_[:0], np.s_[:0, :, ::2]])
 def test_c_contiguity_is_numpys(index):
     x = np.zeros((3, 4, 5, 6), np.float16)[index]
     if x.ndim < 4:
