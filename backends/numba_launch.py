@@ -16,8 +16,8 @@ Under the simulator the arrays are NumPy arrays and launches go through Numba as
 """
 import ctypes
 import functools
+import math
 import threading
-from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -28,16 +28,29 @@ from numba_flash.config import SHARED_MEMORY_BYTES
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
 
 
-@dataclass(frozen=True)
 class DeviceView:
     """Where an array's elements are on the GPU: what a kernel launch needs of it. `owner`,
     the array it views, stays alive as long as the view does (a scratch array made for a
-    launch must not go back to its memory pool before the launch is queued)."""
-    ptr: int
-    shape: tuple
-    strides: tuple  # bytes
-    dtype: np.dtype
-    owner: object = field(default=None, compare=False, repr=False)
+    launch must not go back to its memory pool before the launch is queued). A plain class
+    with slots: one is made per array per call, and a dataclass costs microseconds more."""
+    __slots__ = ("ptr", "shape", "strides", "dtype", "owner")
+
+    def __init__(self, ptr, shape, strides, dtype, owner=None):
+        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)  # strides:
+        self.dtype, self.owner = np.dtype(dtype), owner  # in bytes
+
+    def _fields(self):
+        return (self.ptr, self.shape, self.strides, self.dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, DeviceView) and self._fields() == other._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self):
+        return (f"DeviceView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, "
+                f"dtype={self.dtype})")
 
     @property
     def ndim(self):
@@ -45,14 +58,14 @@ class DeviceView:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def view(self, dtype):
         """The same memory as another element type of the same size (e.g. float16 -> uint16)."""
         dtype = np.dtype(dtype)
         if dtype.itemsize != self.dtype.itemsize:
             raise ValueError(f"cannot view {self.dtype} items as {dtype}")
-        return replace(self, dtype=dtype)
+        return DeviceView(self.ptr, self.shape, self.strides, dtype, self.owner)
 
     @property
     def __cuda_array_interface__(self):
@@ -87,8 +100,7 @@ def device_view(x):
     shape, dtype = tuple(interface["shape"]), np.dtype(interface["typestr"])
     strides = interface.get("strides")
     if strides is None:  # C-contiguous
-        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
-                        for i in range(len(shape)))
+        strides = tuple(math.prod(shape[i + 1:]) * dtype.itemsize for i in range(len(shape)))
     return DeviceView(interface["data"][0], shape, tuple(strides), dtype, x)
 
 
@@ -106,11 +118,15 @@ def is_c_contiguous(shape, strides, itemsize):
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _array_type(dtype, ndim, c_contiguous):
+@functools.lru_cache(maxsize=4096)
+def _array_signature(dtype, shape, strides):
+    """(Numba type, (nitems, itemsize), shape + strides) of an array: what its kernel
+    parameters hold besides the pointer (cached: a training loop repeats its shapes)."""
     from numba import types
     from numba.np import numpy_support
-    return types.Array(numpy_support.from_dtype(dtype), ndim, "C" if c_contiguous else "A")
+    layout = "C" if is_c_contiguous(shape, strides, dtype.itemsize) else "A"
+    return (types.Array(numpy_support.from_dtype(dtype), len(shape), layout),
+            (math.prod(shape), dtype.itemsize), shape + strides)
 
 
 def _argument(arg):
@@ -122,12 +138,9 @@ def _argument(arg):
         raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
                         f"{type(arg).__name__}")
     view = device_view(arg)
-    itemsize = view.dtype.itemsize
-    c_contiguous = is_c_contiguous(view.shape, view.strides, itemsize)
+    argtype, sizes, shape_strides = _array_signature(view.dtype, view.shape, view.strides)
     # meminfo, parent, nitems, itemsize, data, shape, strides (ARRAY_FIELDS)
-    return (_array_type(view.dtype, view.ndim, c_contiguous),
-            (0, 0, view.size, itemsize, int(view.ptr), *map(int, view.shape),
-             *map(int, view.strides)))
+    return argtype, (0, 0, *sizes, view.ptr, *shape_strides)
 
 
 def current_device():
