@@ -19,6 +19,9 @@ BLOCK_N keys are shared by the warps.
   - V: B fragments with ldmatrix.trans (V is stored [key][d]).
   - K for the next tile is fetched with cp.async while softmax and P·V run, V for the next tile
     while the next S runs (separate K and V buffers, commit groups in issue order).
+  - In the key-tile loop every ldmatrix reads at the lane's 32-bit shared address of its tile
+    plus a constant offset (intrinsics.shared_address, opaque, ldmatrix_x4_at), so that the
+    addresses cost one register per tile instead of one each.
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data), so one
 kernel source serves both types; lse is float32.
 """
@@ -32,8 +35,9 @@ from numba_flash.config import (ROW_PAD, MmaConfig, mma_forward_config,
                                 mma_forward_shared_bytes)
 
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
-                                    ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
-                                    pack_bf16x2, pack_f16x2, shared_tile, shfl_xor)
+                                    ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16,
+                                    mma_f16, opaque, pack_bf16x2, pack_f16x2, shared_address,
+                                    shared_tile, shfl_xor)
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_launch import launch
@@ -125,8 +129,16 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
                                     16 * kd + 8 * (lane // 16))
                     for r in range(4):
                         q_frag[sl, kd, r] = f[r]
+        # The lane's ldmatrix addresses (the row and column it points at in each 8x8 matrix);
+        # in the loop, reads are at these plus constant byte offsets (2 bytes per half).
+        q_lane = shared_address(q_tile, warp_row0 + lane % 16, 8 * (lane // 16))
+        k_lane = shared_address(k_tile, lane % 8 + 8 * (lane // 16), 8 * ((lane // 8) % 2))
+        v_lane = shared_address(v_tile, lane % 16, 8 * (lane // 16))
 
         for n0 in range(0, n_end, BLOCK_N):
+            # why: rebuilt each tile, so that each read's offset folds into its instruction
+            # instead of every address holding a register across the loop (intrinsics.opaque)
+            q_at, k_at, v_at = opaque(q_lane), opaque(k_lane), opaque(v_lane)
             cp_async_wait(1)  # the K tile of n0 has landed (the V tile may still be in flight)
             cuda.syncthreads()  # why: every thread's part of the K tile is visible
 
@@ -139,13 +151,11 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
                 slot = kd if Q_IN_REGISTERS else 0
                 if not Q_IN_REGISTERS:
                     for sl in range(SL):
-                        f = ldmatrix_x4(q_tile, warp_row0 + 16 * sl + lane % 16,
-                                        16 * kd + 8 * (lane // 16))
+                        f = ldmatrix_x4_at(q_at, 2 * (16 * sl * ROW + 16 * kd))
                         for r in range(4):
                             q_frag[sl, 0, r] = f[r]
                 for nb in range(0, NB, 2):  # one ldmatrix.x4 gives B for two 8-key blocks
-                    f = ldmatrix_x4(k_tile, 8 * nb + lane % 8 + 8 * (lane // 16),
-                                    16 * kd + 8 * ((lane // 8) % 2))
+                    f = ldmatrix_x4_at(k_at, 2 * (8 * nb * ROW + 16 * kd))
                     for sl in range(SL):  # each K fragment feeds every slice of the warp
                         for half in range(2):
                             d = mma(q_frag[sl, slot, 0], q_frag[sl, slot, 1],
@@ -204,7 +214,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
             # Accumulate: O += P V, with P packed from the S registers into A fragments.
             for kc in range(NB // 2):
                 for db in range(0, DB, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
-                    f = ldmatrix_x4_trans(v_tile, 16 * kc + lane % 16, 8 * db + 8 * (lane // 16))
+                    f = ldmatrix_x4_trans_at(v_at, 2 * (16 * kc * ROW + 8 * db))
                     for sl in range(SL):  # each V fragment feeds every slice of the warp
                         a0 = pack(s[sl, 2 * kc, 0], s[sl, 2 * kc, 1])
                         a1 = pack(s[sl, 2 * kc, 2], s[sl, 2 * kc, 3])

@@ -19,6 +19,8 @@ mma.m16n8k16"), with g = lane // 4 and t = lane % 4:
 SHARED_ALIGN is the alignment to request for shared tiles read with 16-byte loads (the
 simulator rejects any alignment argument, so it is None there).
 """
+from typing import NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba import config, types
@@ -263,6 +265,92 @@ def _make_ldmatrix(transpose):
     return ldmatrix
 
 
+# ldmatrix in a loop, from a 32-bit shared address plus a constant offset. With a (tile, row,
+# col) address, every distinct address in a loop body is loop-invariant, so LLVM computes each
+# once before the loop and keeps it in a register (dozens of them); ptxas cannot then fold the
+# constant parts into the instruction's [register + immediate] form. A kernel instead takes
+# each lane's address once (shared_address), passes it through `opaque` at the top of every
+# iteration (nothing derived from it can move out of the loop), and reads at address +
+# offset: one register per tile, the offsets immediates.
+
+_LDMATRIX_AT = ("ldmatrix.sync.aligned.m8n8.x4{0}.shared.b16 {{$0,$1,$2,$3}}, [$4];")
+
+
+@intrinsic
+def _shared_address(typingctx, array, row, col):
+    """The 32-bit shared-state-space address of array[row, col] (a shared-memory array)."""
+    if not (isinstance(array, types.Array) and array.ndim == 2):
+        return None
+    sig = types.uint32(array, row, col)
+
+    def codegen(context, builder, sig, args):
+        address = _element_address(context, builder, sig.args[0], args[0], sig.args[1:],
+                                   args[1:])
+        return _asm(builder, "{ .reg .u64 sa; cvta.to.shared.u64 sa, $1; cvt.u32.u64 $0, sa; }",
+                    "=r,l", [address], outputs=[_I32])[0]
+
+    return sig, codegen
+
+
+@intrinsic
+def _opaque(typingctx, value):
+    """value, unchanged, from an instruction the compiler may neither move nor look through."""
+    if value != types.uint32:
+        return None
+    sig = types.uint32(value)
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, "mov.b32 $0, $1;", "=r,r", [args[0]], outputs=[_I32],
+                    side_effect=True)[0]
+
+    return sig, codegen
+
+
+def _make_ldmatrix_at(transpose):
+    text = _LDMATRIX_AT.format(".trans" if transpose else "")
+
+    @intrinsic
+    def ldmatrix_at(typingctx, address, offset):
+        """ldmatrix (x4) at shared address + offset bytes (offset: a constant once unrolled)."""
+        if address != types.uint32 or not isinstance(offset, types.Integer):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(address, offset)
+
+        def codegen(context, builder, sig, args):
+            offset = context.cast(builder, args[1], sig.args[1], types.uint32)
+            parts = _asm(builder, text, "=r,=r,=r,=r,r", [builder.add(args[0], offset)],
+                         outputs=[_I32] * 4, side_effect=True)
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    return ldmatrix_at
+
+
+class _SharedAddress(NamedTuple):
+    """The simulator's shared address: the array and a byte offset into it."""
+    array: object
+    byte_offset: int
+
+
+def _shared_address_python(array, row, col):
+    return _SharedAddress(array, row * array.strides[0] + col * array.strides[1])
+
+
+def _opaque_python(value):
+    return value
+
+
+def _ldmatrix_at_python(transpose):
+    ldmatrix = _ldmatrix_python(transpose)
+
+    def ldmatrix_at(address, offset):
+        array = address.array
+        row, rest = divmod(address.byte_offset + offset, array.strides[0])
+        return ldmatrix(array, row, rest // array.strides[1])
+    return ldmatrix_at
+
+
 def _check_aligned(array, *index):
     """The hardware needs 16-byte aligned addresses here; the simulator would not notice."""
     address = array.ctypes.data + sum(i * s for i, s in zip(index, array.strides))
@@ -458,6 +546,9 @@ if SIMULATED:
     pack_bf16x2, unpack_bf16x2 = _pack_bf16x2_python, _unpack_bf16x2_python
     ldmatrix_x4 = _ldmatrix_python(transpose=False)
     ldmatrix_x4_trans = _ldmatrix_python(transpose=True)
+    shared_address, opaque = _shared_address_python, _opaque_python
+    ldmatrix_x4_at = _ldmatrix_at_python(transpose=False)
+    ldmatrix_x4_trans_at = _ldmatrix_at_python(transpose=True)
     cp_async_16 = _cp_async_16_python
     cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
     shfl_xor = _shfl_xor_python
@@ -471,6 +562,9 @@ else:
     pack_bf16x2, unpack_bf16x2 = _make_pack("bf16"), _make_unpack(_UNPACK_BF16X2)
     ldmatrix_x4 = _make_ldmatrix(transpose=False)
     ldmatrix_x4_trans = _make_ldmatrix(transpose=True)
+    shared_address, opaque = _shared_address, _opaque
+    ldmatrix_x4_at = _make_ldmatrix_at(transpose=False)
+    ldmatrix_x4_trans_at = _make_ldmatrix_at(transpose=True)
     cp_async_16 = _cp_async_16
     cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
     shfl_xor = _make_shfl_xor()

@@ -4,9 +4,10 @@ from numba import cuda
 from numba.core.types import float16, float32, uint16
 
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
-                                    exp2, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16,
-                                    pack_bf16x2, pack_f16x2, shared_tile, shfl_xor, unpack_bf16x2,
-                                    unpack_f16x2)
+                                    exp2, ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans,
+                                    ldmatrix_x4_trans_at, mma_bf16, mma_f16, opaque, pack_bf16x2,
+                                    pack_f16x2, shared_address, shared_tile, shfl_xor,
+                                    unpack_bf16x2, unpack_f16x2)
 
 
 def _make_mma_kernel(mma, name):
@@ -41,6 +42,25 @@ def ldmatrix_kernel(matrix, regs, regs_trans):
     for i in range(4):
         regs[lane, i] = r[i]
         regs_trans[lane, i] = rt[i]
+
+
+def ldmatrix_at_kernel(matrix, regs, regs_trans):
+    """One warp: a 32x24 f16 tile in shared memory; in a loop over it = 0, 1, the 16x16 block at
+    rows 16·it, columns 8·it read with ldmatrix x4 (and .trans) at the lane's address plus a
+    byte offset, the address passed through `opaque` each iteration as the kernels do."""
+    tile = cuda.shared.array((32, 24), float16, SHARED_ALIGN)
+    lane = cuda.threadIdx.x
+    for c in range(24):
+        tile[lane, c] = matrix[lane, c]
+    cuda.syncthreads()
+    base = shared_address(tile, lane % 16, 8 * (lane // 16))
+    for it in range(2):
+        at = opaque(base)
+        r = ldmatrix_x4_at(at, 2 * (16 * it * 24 + 8 * it))
+        rt = ldmatrix_x4_trans_at(at, 2 * (16 * it * 24 + 8 * it))
+        for i in range(4):
+            regs[it, lane, i] = r[i]
+            regs_trans[it, lane, i] = rt[i]
 
 
 def cp_async_kernel(src, dst, rows_valid):
@@ -111,6 +131,9 @@ PTX_CASES = [
      ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]),
     (ldmatrix_kernel, "(float16[:, :], uint32[:, :], uint32[:, :])",
      ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans"]),
+    (ldmatrix_at_kernel, "(float16[:, :], uint32[:, :, :], uint32[:, :, :])",
+     ["cvta.to.shared.u64", "mov.b32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"]),
     (cp_async_kernel, "(float16[:, :, :, :], float16[:, :], int32)",
      ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0"]),
     (shfl_sum_kernel, "(float32[:], float32[:])", ["shfl.sync.bfly"]),

@@ -109,6 +109,19 @@ def test_ldmatrix_gives_mma_fragments(rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_ldmatrix_at_an_address_plus_offset(rng, mode):
+    matrix = rng.standard_normal((32, 24)).astype(np.float16)
+    regs = np.zeros((2, 32, 4), np.uint32)
+    regs_trans = np.zeros((2, 32, 4), np.uint32)
+    cuda.jit(kernels.ldmatrix_at_kernel)[1, 32](matrix, regs, regs_trans)
+    for it in range(2):
+        bits = matrix[16 * it:16 * it + 16, 8 * it:8 * it + 16].view(np.uint16).astype(np.uint32)
+        assert np.array_equal(regs[it], a_fragments(bits))
+        assert np.array_equal(regs_trans[it, :, 0:2], b_fragments(bits[:, 0:8]))
+        assert np.array_equal(regs_trans[it, :, 2:4], b_fragments(bits[:, 8:16]))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_cp_async_copies_and_zero_fills(rng, mode):
     src = rng.standard_normal((1, 16, 1, 16)).astype(np.float16)
     dst = np.full((16, 16), np.nan, np.float16)
