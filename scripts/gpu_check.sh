@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh tune     # scripts/tune_mma.py, fwd + bwd, d64 + d128, N = 4096
 #   bash scripts/gpu_check.sh sanitize # compute-sanitizer memcheck + racecheck on every kernel
 #   bash scripts/gpu_check.sh reliability  # scripts/reliability.py repeat long jit
+#   bash scripts/gpu_check.sh overhead # scripts/overhead.py: host time per call, with cProfile
 # Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
 # numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
 set -uo pipefail
@@ -23,7 +24,8 @@ for stage in "$@"; do
     case "$stage" in
         tests)
             timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-                tests/test_intrinsics.py tests/test_mma_forward.py tests/test_mma_backward.py \
+                tests/test_launch.py tests/test_intrinsics.py tests/test_mma_forward.py \
+                tests/test_mma_backward.py \
                 tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
         api)
@@ -52,6 +54,9 @@ for stage in "$@"; do
         reliability)
             timeout "${RELIABILITY_TIMEOUT:-240}" python3 scripts/reliability.py repeat long jit 2>&1 \
                 | tee "$OUT/reliability.log" || status=1 ;;
+        overhead)
+            (cd scripts && timeout 120 python3 overhead.py --profile) 2>&1 \
+                | tee "$OUT/overhead.log" | head -8 || status=1 ;;
         verify)
             timeout "${VERIFY_TIMEOUT:-560}" python3 scripts/verify.py ${VERIFY_ARGS:-} 2>&1 \
                 | tee "$OUT/verify.log" \
@@ -61,7 +66,8 @@ for stage in "$@"; do
                 float32 float16 --head-dims 64 128 --seqlens 1024 4096 16384} \
                 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
-        *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, verify, bench)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, overhead, verify," \
+                "bench)"; exit 2 ;;
     esac
 done
 exit $status
