@@ -278,8 +278,9 @@ _LDMATRIX_AT = ("ldmatrix.sync.aligned.m8n8.x4{0}.shared.b16 {{$0,$1,$2,$3}}, [$
 
 @intrinsic
 def _shared_address(typingctx, array, row, col):
-    """The 32-bit shared-state-space address of array[row, col] (a shared-memory array)."""
-    if not (isinstance(array, types.Array) and array.ndim == 2):
+    """The 32-bit shared-state-space address of array[row, col], for ldmatrix_x4_at: the array
+    must be in shared memory (a 2-d tile of 16-bit elements)."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype.bitwidth == 16):
         return None
     sig = types.uint32(array, row, col)
 
@@ -345,9 +346,14 @@ def _ldmatrix_at_python(transpose):
     ldmatrix = _ldmatrix_python(transpose)
 
     def ldmatrix_at(address, offset):
+        """The hardware needs a 16-byte aligned address in the tile; so does the twin."""
         array = address.array
         row, rest = divmod(address.byte_offset + offset, array.strides[0])
-        return ldmatrix(array, row, rest // array.strides[1])
+        col, odd = divmod(rest, array.strides[1])
+        if odd or not (0 <= row < array.shape[0] and col + 8 <= array.shape[1]):
+            raise ValueError(f"ldmatrix at byte {address.byte_offset + offset} is not the start "
+                             f"of 8 elements of a row of the {array.shape} tile")
+        return ldmatrix(array, row, col)
     return ldmatrix_at
 
 

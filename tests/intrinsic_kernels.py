@@ -133,7 +133,7 @@ PTX_CASES = [
      ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans"]),
     (ldmatrix_at_kernel, "(float16[:, :], uint32[:, :, :], uint32[:, :, :])",
      ["cvta.to.shared.u64", "mov.b32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"]),
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "}, [%r"]),  # (a 32-bit address)
     (cp_async_kernel, "(float16[:, :, :, :], float16[:, :], int32)",
      ["cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0"]),
     (shfl_sum_kernel, "(float32[:], float32[:])", ["shfl.sync.bfly"]),

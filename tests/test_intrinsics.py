@@ -211,3 +211,8 @@ def test_twins_refuse_misaligned_addresses():
         intrinsics._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 3, 16)
     intrinsics._cp_async_16_python(tile, 0, 8, src + 1, 0, 0, 0, 8, 6)  # 3 halves, then zeros
     assert np.array_equal(tile[0, 8:16], [1, 1, 1, 0, 0, 0, 0, 0])
+    base = intrinsics._shared_address_python(tile, 0, 8)
+    ldmatrix_at = intrinsics._ldmatrix_at_python(transpose=False)
+    for offset in (2, -32, 2 * 16 * 16):  # mid-row; before the tile; past its last row
+        with pytest.raises(ValueError, match="is not the start of 8 elements of a row"):
+            ldmatrix_at(base, offset)
