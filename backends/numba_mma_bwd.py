@@ -25,15 +25,15 @@ from numba import cuda, float32, uint16
 
 from numba_flash.config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
-                                    shared_tile)
+                                    opaque, shared_tile)
 
 from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
 from .numba_launch import launch
-from .numba_mma_tiles import (WARP, check_rows_contiguous, check_shared_bytes,
+from .numba_mma_tiles import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                               make_cp_async_loader, make_warp_accumulate, make_warp_scores,
-                              make_warp_store)
+                              make_warp_store, x4_address)
 
 
 def mma_delta_kernel_function(head_dim, bf16):
@@ -60,8 +60,8 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
     STATS_START = DO_START + 2 * QUERY_ROWS * ROW
     STATS_ROWS = 2 * STAGES  # lse and D of each stage
     load_tile = make_cp_async_loader(D, THREADS)
-    scores = make_warp_scores(bf16, NQ, D // 16)
-    accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB)
+    scores = make_warp_scores(bf16, NQ, D // 16, ROW)
+    accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB, ROW)
     store = make_warp_store(bf16, DB)
 
     @cuda.jit(device=True, inline="always")
@@ -115,6 +115,12 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
                              seqlen_q, 0)
             cp_async_commit()
 
+        # The lane's ldmatrix addresses (numba_mma_tiles): K and V (this warp's 16 keys) as A
+        # of Sᵀ and dPᵀ; Q and dO (stage 0) as their B, and as B of dK and dV (.trans).
+        k_a, v_a = x4_address(k_tile, 16 * warp), x4_address(v_tile, 16 * warp)
+        q_b, do_b = b_address(q_tiles, 0), b_address(do_tiles, 0)
+        q_t, do_t = x4_address(q_tiles, 0), x4_address(do_tiles, 0)
+
         stage = 0
         for m0 in range(m_begin, seqlen_q, BLOCK_M):
             # Load: this query tile (one stage), or the next one behind this one (two stages).
@@ -130,11 +136,12 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
-            q_row0 = BLOCK_M * stage
+            stage_bytes = 2 * ROW * BLOCK_M * stage  # where this stage's Q and dO rows start
+            # (the addresses go through `opaque` each tile: intrinsics.shared_address says why)
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
-            scores(s, k_tile, 16 * warp, q_tiles, q_row0)
-            scores(dp, v_tile, 16 * warp, do_tiles, q_row0)
+            scores(s, opaque(k_a), opaque(q_b + stage_bytes))
+            scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
             needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
             for nq in range(NQ):
                 for r in range(4):
@@ -146,8 +153,8 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
                     dp[nq, r] = p * (dp[nq, r] - stats[2 * stage + 1, c])
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
-            accumulate(dv_acc, s, do_tiles, q_row0)
-            accumulate(dk_acc, dp, q_tiles, q_row0)
+            accumulate(dv_acc, s, opaque(do_t + stage_bytes))
+            accumulate(dk_acc, dp, opaque(q_t + stage_bytes))
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
 
@@ -176,8 +183,8 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
     KEY_ROWS = STAGES * BLOCK_N  # the K (and V) buffers of all stages
     V_START = K_START + 2 * KEY_ROWS * ROW
     load_tile = make_cp_async_loader(D, THREADS)
-    scores = make_warp_scores(bf16, NB, D // 16)
-    accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB)
+    scores = make_warp_scores(bf16, NB, D // 16, ROW)
+    accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB, ROW)
     store = make_warp_store(bf16, DB)
 
     @cuda.jit(device=True, inline="always")
@@ -227,6 +234,12 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
                 load_keys(k_tiles, v_tiles, k, v, b, h, 0, seqlen_k, 0)
             cp_async_commit()
 
+        # The lane's ldmatrix addresses (numba_mma_tiles): Q and dO (this warp's 16 queries) as
+        # A of S and dP; K and V (stage 0) as their B, and K as B of dQ (.trans).
+        q_a, do_a = x4_address(q_tile, 16 * warp), x4_address(do_tile, 16 * warp)
+        k_b, v_b = b_address(k_tiles, 0), b_address(v_tiles, 0)
+        k_t = x4_address(k_tiles, 0)
+
         stage = 0
         for n0 in range(0, n_end, BLOCK_N):
             # Load: this key tile (one stage), or the next one behind this one (two stages).
@@ -240,11 +253,11 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
-            k_row0 = BLOCK_N * stage
+            stage_bytes = 2 * ROW * BLOCK_N * stage  # where this stage's K and V rows start
 
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
-            scores(s, q_tile, 16 * warp, k_tiles, k_row0)
-            scores(dp, do_tile, 16 * warp, v_tiles, k_row0)
+            scores(s, opaque(q_a), opaque(k_b + stage_bytes))
+            scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
             for nb in range(NB):
                 for r in range(4):
@@ -258,7 +271,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
                     dp[nb, r] = p * (dp[nb, r] - (delta_hi if hi else delta_lo))
 
             # Accumulate: dQ += dS K (scaled at the end).
-            accumulate(dq_acc, dp, k_tiles, k_row0)
+            accumulate(dq_acc, dp, opaque(k_t + stage_bytes))
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
 

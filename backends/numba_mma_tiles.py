@@ -10,7 +10,8 @@ import functools
 from numba import cuda, float32, uint16
 
 from numba_flash.config import MMA_SHARED_MEMORY_BYTES
-from numba_flash.intrinsics import cp_async_16, ldmatrix_x4, ldmatrix_x4_trans
+from numba_flash.intrinsics import (cp_async_16, ldmatrix_x4_at, ldmatrix_x4_trans_at,
+                                    shared_address)
 
 
 WARP = 32
@@ -63,24 +64,42 @@ def _mma_and_pack(bf16):
     return (mma_bf16, pack_bf16x2) if bf16 else (mma_f16, pack_f16x2)
 
 
+@cuda.jit(device=True, inline="always")
+def x4_address(tile, row0):
+    """The lane's ldmatrix address for the 16x16 block of `tile` at rows row0.., column 0: as
+    an A fragment (ldmatrix_x4_at), or as two B fragments of a [k][n] tile (.trans)."""
+    lane = cuda.threadIdx.x % WARP
+    return shared_address(tile, row0 + lane % 16, 8 * (lane // 16))
+
+
+@cuda.jit(device=True, inline="always")
+def b_address(tile, row0):
+    """The lane's ldmatrix address for the B fragments of two 8-row blocks of an [n][k] tile
+    (rows row0.., column 0), as K is stored for S = Q Kᵀ."""
+    lane = cuda.threadIdx.x % WARP
+    return shared_address(tile, row0 + lane % 8 + 8 * (lane // 16), 8 * ((lane // 8) % 2))
+
+
+# The loops below read at a lane address (x4_address, b_address) plus constant byte offsets;
+# the caller passes each address through intrinsics.opaque once per iteration of its own loop
+# (see intrinsics.shared_address: otherwise every read's address holds a register).
+
 @functools.lru_cache(maxsize=None)
-def make_warp_scores(bf16, nb_count, kd_count):
-    """scores(acc, a_tile, a_row0, b_tile, b_row0): for the warp's 16 rows,
-    acc[nb, :] = A Bᵀ with A = a_tile[a_row0:+16, :16*kd_count] and B the rows
-    b_tile[b_row0 + 8*nb:+8, same columns] (B stored row = n, as K for S = Q Kᵀ)."""
+def make_warp_scores(bf16, nb_count, kd_count, row_halves):
+    """scores(acc, a_at, b_at): for the warp's 16 rows, acc[nb, :] = A Bᵀ with A the 16 x
+    16·kd_count block at a_at (x4_address) and B the rows 8·nb.. of the block at b_at
+    (b_address; B stored row = n, as K for S = Q Kᵀ); tiles have rows of row_halves halves."""
     mma, _ = _mma_and_pack(bf16)
 
     @cuda.jit(device=True, inline="always")
-    def scores(acc, a_tile, a_row0, b_tile, b_row0):
-        lane = cuda.threadIdx.x % WARP
+    def scores(acc, a_at, b_at):
         for nb in range(nb_count):
             for r in range(4):
                 acc[nb, r] = float32(0.0)
         for kd in range(kd_count):
-            a = ldmatrix_x4(a_tile, a_row0 + lane % 16, 16 * kd + 8 * (lane // 16))
+            a = ldmatrix_x4_at(a_at, 2 * 16 * kd)  # (byte offsets: 2 per half)
             for nb in range(0, nb_count, 2):  # one ldmatrix.x4 gives B for two 8-row blocks
-                f = ldmatrix_x4(b_tile, b_row0 + 8 * nb + lane % 8 + 8 * (lane // 16),
-                                16 * kd + 8 * ((lane // 8) % 2))
+                f = ldmatrix_x4_at(b_at, 2 * (8 * nb * row_halves + 16 * kd))
                 for half in range(2):
                     d = mma(a[0], a[1], a[2], a[3], f[2 * half], f[2 * half + 1],
                             acc[nb + half, 0], acc[nb + half, 1], acc[nb + half, 2],
@@ -92,24 +111,22 @@ def make_warp_scores(bf16, nb_count, kd_count):
 
 
 @functools.lru_cache(maxsize=None)
-def make_warp_accumulate(bf16, kc_count, db_count):
-    """accumulate(acc, p, b_tile, k_row0): acc[db, :] += P B for P the warp's 16 x 16*kc_count
+def make_warp_accumulate(bf16, kc_count, db_count, row_halves):
+    """accumulate(acc, p, b_at): acc[db, :] += P B for P the warp's 16 x 16·kc_count
     register tile p[nb, :] (an accumulator of `scores`, packed here to 16 bits; the layout of
-    two 8-column blocks is the A-fragment layout of a 16-wide chunk) and B =
-    b_tile[k_row0:+16*kc_count, 8*db:+8] (B stored row = k, as V for O = P V)."""
+    two 8-column blocks is the A-fragment layout of a 16-wide chunk) and B the 16·kc_count x
+    8·db_count block at b_at (x4_address; B stored row = k, as V for O = P V)."""
     mma, pack = _mma_and_pack(bf16)
 
     @cuda.jit(device=True, inline="always")
-    def accumulate(acc, p, b_tile, k_row0):
-        lane = cuda.threadIdx.x % WARP
+    def accumulate(acc, p, b_at):
         for kc in range(kc_count):
             a0 = pack(p[2 * kc, 0], p[2 * kc, 1])
             a1 = pack(p[2 * kc, 2], p[2 * kc, 3])
             a2 = pack(p[2 * kc + 1, 0], p[2 * kc + 1, 1])
             a3 = pack(p[2 * kc + 1, 2], p[2 * kc + 1, 3])
             for db in range(0, db_count, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
-                f = ldmatrix_x4_trans(b_tile, k_row0 + 16 * kc + lane % 16,
-                                      8 * db + 8 * (lane // 16))
+                f = ldmatrix_x4_trans_at(b_at, 2 * (16 * kc * row_halves + 8 * db))
                 for half in range(2):
                     d = mma(a0, a1, a2, a3, f[2 * half], f[2 * half + 1], acc[db + half, 0],
                             acc[db + half, 1], acc[db + half, 2], acc[db + half, 3])

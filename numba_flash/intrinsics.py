@@ -295,13 +295,15 @@ def _shared_address(typingctx, array, row, col):
 
 @intrinsic
 def _opaque(typingctx, value):
-    """value, unchanged, from an instruction the compiler may neither move nor look through."""
-    if value != types.uint32:
+    """value as uint32 (a shared address, possibly plus an offset), from an instruction the
+    compiler may neither move nor look through."""
+    if not isinstance(value, types.Integer):
         return None
     sig = types.uint32(value)
 
     def codegen(context, builder, sig, args):
-        return _asm(builder, "mov.b32 $0, $1;", "=r,r", [args[0]], outputs=[_I32],
+        value = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return _asm(builder, "mov.b32 $0, $1;", "=r,r", [value], outputs=[_I32],
                     side_effect=True)[0]
 
     return sig, codegen
@@ -329,9 +331,13 @@ def _make_ldmatrix_at(transpose):
 
 
 class _SharedAddress(NamedTuple):
-    """The simulator's shared address: the array and a byte offset into it."""
+    """The simulator's shared address: the array and a byte offset into it; adding an integer
+    moves it by that many bytes, as on the device."""
     array: object
     byte_offset: int
+
+    def __add__(self, offset):
+        return _SharedAddress(self.array, self.byte_offset + int(offset))
 
 
 def _shared_address_python(array, row, col):
