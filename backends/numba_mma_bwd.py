@@ -2,7 +2,8 @@
 
 Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
 (backends/numba_backend.py). Checked against float64 under the simulator and on an H200
-(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py).
+(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py); the ldmatrix addressing of
+2026-11-30 (intrinsics.ldmatrix_x4_at) has run in the simulator only so far.
 
 Same math and the same three launches as the SIMT backward (backends/numba_simt_bwd.py), with
 P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse, and no atomics:
@@ -137,7 +138,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
                 cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
             stage_bytes = 2 * ROW * BLOCK_M * stage  # where this stage's Q and dO rows start
-            # (the addresses go through `opaque` each tile: intrinsics.shared_address says why)
+            # (the addresses go through `opaque` each tile: see intrinsics._LDMATRIX_AT's comment)
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
             scores(s, opaque(k_a), opaque(q_b + stage_bytes))

@@ -1,5 +1,6 @@
-"""Pieces shared by the tensor-core kernels: tile shapes, cp.async tile loads and warp-level
-mma loops.
+"""Pieces shared by the tensor-core kernels: cp.async tile loads, the lanes' ldmatrix addresses
+(x4_address, b_address) and the backward's warp-level mma loops, which read at such an address
+plus constant byte offsets.
 
 Tiles are 16-bit patterns (uint16) carved out of the kernel's dynamic shared memory (so that
 a config may use more than the 48 KiB a block gets without opting in), rows padded by
@@ -82,7 +83,8 @@ def b_address(tile, row0):
 
 # The loops below read at a lane address (x4_address, b_address) plus constant byte offsets;
 # the caller passes each address through intrinsics.opaque once per iteration of its own loop
-# (see intrinsics.shared_address: otherwise every read's address holds a register).
+# (see the comment above intrinsics._LDMATRIX_AT: otherwise every read's address holds a
+# register).
 
 @functools.lru_cache(maxsize=None)
 def make_warp_scores(bf16, nb_count, kd_count, row_halves):

@@ -279,7 +279,8 @@ _LDMATRIX_AT = ("ldmatrix.sync.aligned.m8n8.x4{0}.shared.b16 {{$0,$1,$2,$3}}, [$
 @intrinsic
 def _shared_address(typingctx, array, row, col):
     """The 32-bit shared-state-space address of array[row, col], for ldmatrix_x4_at: the array
-    must be in shared memory (a 2-d tile of 16-bit elements)."""
+    must be in shared memory (a 2-d tile of 16-bit elements). Why kernels read at an address
+    plus an offset instead of at (tile, row, col): the comment above _LDMATRIX_AT."""
     if not (isinstance(array, types.Array) and array.ndim == 2 and array.dtype.bitwidth == 16):
         return None
     sig = types.uint32(array, row, col)
@@ -295,8 +296,8 @@ def _shared_address(typingctx, array, row, col):
 
 @intrinsic
 def _opaque(typingctx, value):
-    """value as uint32 (a shared address, possibly plus an offset), from an instruction the
-    compiler may neither move nor look through."""
+    """value as uint32 (a shared address, possibly plus an offset: it must fit in 32 bits),
+    from an instruction the compiler may neither move nor look through."""
     if not isinstance(value, types.Integer):
         return None
     sig = types.uint32(value)
@@ -338,6 +339,8 @@ class _SharedAddress(NamedTuple):
 
     def __add__(self, offset):
         return _SharedAddress(self.array, self.byte_offset + int(offset))
+
+    __radd__ = __add__
 
 
 def _shared_address_python(array, row, col):

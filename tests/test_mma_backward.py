@@ -69,6 +69,14 @@ def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
     _run_backward(rng, shape, causal, dtype, config)
 
 
+def test_two_stage_backward_with_unequal_tiles(rng):
+    """block_m, block_n and the 16·warps rows of the fixed tiles all differ, so a buffer
+    offset computed from the wrong one of them reads the wrong rows; 3 query tiles per key tile
+    and 3 key tiles per query tile use both buffers and refill the first."""
+    _run_backward(rng, (1, 70, 100, 1, 16), True, "float16",
+                  MmaBackwardConfig(block_m=32, block_n=48, warps=1, stages=2))
+
+
 def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():
     # dK/dV: K, V tiles of 8 warps x 16 = 128 keys and Q, dO tiles of 128 queries, rows of
     # 256 + 8 halves, plus 128 lse and 128 D values.
