@@ -71,9 +71,9 @@ def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
 
 def test_two_stage_backward_with_unequal_tiles(rng):
     """block_m, block_n and the 16·warps rows of the fixed tiles all differ, so a buffer
-    offset computed from the wrong one of them reads the wrong rows; 3 query tiles per key tile
-    and 3 key tiles per query tile use both buffers and refill the first."""
-    _run_backward(rng, (1, 70, 100, 1, 16), True, "float16",
+    offset computed from the wrong one of them reads the wrong rows; 2 query tiles per key tile
+    and 2 key tiles per query tile use both buffers."""
+    _run_backward(rng, (1, 40, 60, 1, 16), True, "float16",
                   MmaBackwardConfig(block_m=32, block_n=48, warps=1, stages=2))
 
 
