@@ -67,11 +67,6 @@ class DeviceView:
             raise ValueError(f"cannot view {self.dtype} items as {dtype}")
         return DeviceView(self.ptr, self.shape, self.strides, dtype, self.owner)
 
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
-                "data": (self.ptr, False), "version": 3}
-
 
 def device_view(x):
     """A DeviceView of a CuPy array, a CUDA torch tensor of a type NumPy has (bfloat16 ones
@@ -232,11 +227,11 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     host = [i for i, arg in enumerate(args) if isinstance(arg, np.ndarray)]
     if host:
         from numba import cuda
-        on_device = [cuda.to_device(arg) if i in host else arg for i, arg in enumerate(args)]
-        launch(kernel, grid, block, stream, shared_bytes, *on_device)
+        uploaded = [cuda.to_device(arg) if i in host else arg for i, arg in enumerate(args)]
+        launch(kernel, grid, block, stream, shared_bytes, *uploaded)
         cuda.synchronize()
         for i in host:
-            on_device[i].copy_to_host(args[i])
+            uploaded[i].copy_to_host(args[i])
         return
     argtypes, parameters = [], []
     for arg in args:

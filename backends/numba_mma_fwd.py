@@ -21,8 +21,8 @@ BLOCK_N keys are shared by the warps.
   - K for the next tile is fetched with cp.async while softmax and P·V run, V for the next tile
     while the next S runs (separate K and V buffers, commit groups in issue order).
   - In the key-tile loop every ldmatrix reads at the lane's 32-bit shared address of its tile
-    plus a constant offset (intrinsics.shared_address, opaque, ldmatrix_x4_at), so that the
-    addresses cost one register per tile instead of one each.
+    plus a constant offset (numba_mma_tiles.x4_address, b_address; intrinsics.opaque,
+    ldmatrix_x4_at), so that the addresses cost one register per tile instead of one each.
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data), so one
 kernel source serves both types; lse is float32.
 """
@@ -37,12 +37,13 @@ from numba_flash.config import (ROW_PAD, MmaConfig, mma_forward_config,
 
 from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
                                     ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16,
-                                    mma_f16, opaque, pack_bf16x2, pack_f16x2, shared_address,
-                                    shared_tile, shfl_xor)
+                                    mma_f16, opaque, pack_bf16x2, pack_f16x2, shared_tile,
+                                    shfl_xor)
 
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
 from .numba_launch import launch
-from .numba_mma_tiles import WARP, check_rows_contiguous, check_shared_bytes, make_cp_async_loader
+from .numba_mma_tiles import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
+                              make_cp_async_loader, x4_address)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,9 +133,9 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
                         q_frag[sl, kd, r] = f[r]
         # The lane's ldmatrix addresses (the row and column it points at in each 8x8 matrix);
         # in the loop, reads are at these plus constant byte offsets (2 bytes per half).
-        q_lane = shared_address(q_tile, warp_row0 + lane % 16, 8 * (lane // 16))
-        k_lane = shared_address(k_tile, lane % 8 + 8 * (lane // 16), 8 * ((lane // 8) % 2))
-        v_lane = shared_address(v_tile, lane % 16, 8 * (lane // 16))
+        q_lane = x4_address(q_tile, warp_row0)
+        k_lane = b_address(k_tile, 0)
+        v_lane = x4_address(v_tile, 0)
 
         for n0 in range(0, n_end, BLOCK_N):
             # why: rebuilt each tile, so that each read's offset folds into its instruction
