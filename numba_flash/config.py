@@ -140,7 +140,7 @@ class MmaConfig:
 # not multiples of 16 run padded.
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=32, warps=4, slices=2)),
-    (128, MmaConfig(block_n=64, warps=8)),
+    (128, MmaConfig(block_n=32, warps=4, slices=2)),
 )
 
 

@@ -25,6 +25,7 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 TORCH_BACKENDS = {"float16": ("flash", "cudnn", "efficient", "math"),
                   "bfloat16": ("flash", "cudnn", "efficient", "math"),
                   "float32": ("efficient", "math")}
+SDPA_KINDS = ("flash", "cudnn", "efficient", "math")
 
 
 def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, passes):
@@ -60,7 +61,7 @@ class Timer:
 
 
 def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
-                 numba_flash_backends=NUMBA_FLASH_BACKENDS):
+                 numba_flash_backends=NUMBA_FLASH_BACKENDS, sdpa_kinds=SDPA_KINDS):
     """{name: fn(i) running one call on input set i}, for every implementation that applies."""
     runners = {}
     for name in numba_flash_backends:
@@ -80,7 +81,7 @@ def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     # (B, N, H, D) CuPy arrays -> (B, H, N, D) torch views of the same memory.
     views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
-    for kind in TORCH_BACKENDS[dtype]:
+    for kind in (kind for kind in TORCH_BACKENDS[dtype] if kind in sdpa_kinds):
         def run(i, kind=kind):
             q, k, v, dout = views[i]
             with sdpa_kernel(kinds[kind]):
@@ -116,7 +117,7 @@ def random_inputs(cp, torch, rng, shape, dtype):
 
 
 def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causal, passes,
-               tokens, model_dim, backends=NUMBA_FLASH_BACKENDS):
+               tokens, model_dim, backends=NUMBA_FLASH_BACKENDS, sdpa_kinds=SDPA_KINDS):
     batch = max(1, tokens // seqlen)
     nheads = max(1, model_dim // headdim)
     shape = (batch, seqlen, seqlen, nheads, headdim)
@@ -127,7 +128,8 @@ def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causa
     row = {"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
            "nheads": nheads, "causal": causal, "passes": passes, "results": {}}
     q, k, v, _ = inputs[0]
-    runners = make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype, backends)
+    runners = make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype, backends,
+                           sdpa_kinds)
     for name, fn in runners.items():
         if name in backends:
             reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
@@ -209,6 +211,8 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=list(NUMBA_FLASH_BACKENDS),
                         help="numba_flash backends to time")
     parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
+    parser.add_argument("--sdpa", nargs="+", default=list(SDPA_KINDS), choices=SDPA_KINDS,
+                        help="torch SDPA backends to time (those that take the dtype)")
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--plot", help="write a PNG plot here")
     args = parser.parse_args(argv)
@@ -239,7 +243,8 @@ def main(argv=None):
         print(f"[{index}/{len(cases)}] {passes} {dtype} d{headdim} N{seqlen} "
               f"{'causal' if causal else 'full'} ...", file=sys.stderr, flush=True)
         rows.append(bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen,
-                               causal, passes, args.tokens, args.model_dim, args.backends))
+                               causal, passes, args.tokens, args.model_dim, args.backends,
+                               args.sdpa))
         print_table(rows[-1:])  # each row as it is done, and the JSON so far: a run cut
         if args.json:           # short by a time limit keeps what it measured
             with open(args.json, "w") as f:

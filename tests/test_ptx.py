@@ -83,8 +83,9 @@ def test_instructions_present(reports):
 
 # (kernel name prefix, compute capability or None for both): most registers allowed. With
 # every ldmatrix address hoisted into a register of its own, as before the ldmatrix_x4_at
-# reads, these kernels needed about 250 and 182 (docs/KERNEL_NOTES.md).
-REGISTER_CAPS = {("mma_forward_d128", None): 200, ("mma_bwd_dq_d64", 90): 175}
+# reads, these kernels needed about 246 and 182 (docs/KERNEL_NOTES.md). (The d128 forward's
+# two-slice config takes 254 registers either way: only the spill check holds it.)
+REGISTER_CAPS = {("mma_forward_d64", None): 235, ("mma_bwd_dq_d64", 90): 175}
 
 
 def test_ldmatrix_addresses_stay_out_of_registers(reports):
