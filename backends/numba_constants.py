@@ -32,3 +32,11 @@ def key_end(causal, seqlen_k, m0, block_m, offset):
 def query_begin(causal, n0, offset, block_m):
     """Start of the first query tile that can see key n0: earlier tiles are skipped."""
     return max(0, n0 - offset) // block_m * block_m if causal else 0
+
+
+@cuda.jit(device=True, inline="always")
+def query_tile(causal):
+    """The query tile of this block (blockIdx.x). Under causal masking the last tiles see the
+    most keys; they are given the first block indices, which the GPU starts first, so that the
+    grid ends on short blocks instead of waiting on a long one (longest job first)."""
+    return cuda.gridDim.x - 1 - cuda.blockIdx.x if causal else cuda.blockIdx.x

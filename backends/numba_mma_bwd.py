@@ -29,7 +29,8 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     opaque, shared_tile)
 
 from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
-from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
+from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin,
+                              query_tile)
 from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
 from .numba_launch import launch
 from .numba_mma_tiles import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
@@ -199,7 +200,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
         lane = tid % WARP
         g = lane // 4
         t = lane % 4
-        m0 = cuda.blockIdx.x * BLOCK_M
+        m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]

@@ -40,7 +40,7 @@ from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait
                                     mma_f16, opaque, pack_bf16x2, pack_f16x2, shared_tile,
                                     shfl_xor)
 
-from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
 from .numba_launch import launch
 from .numba_mma_tiles import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                               make_cp_async_loader, x4_address)
@@ -83,7 +83,7 @@ def mma_forward_kernel_function(block_n, warps, head_dim, causal, bf16, slices=1
         lane = tid % WARP
         g = lane // 4  # the lane's row within an 8-row group
         t = lane % 4  # the lane's column pair
-        m0 = cuda.blockIdx.x * BLOCK_M
+        m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]

@@ -21,7 +21,8 @@ from numba_flash.config import simt_backward_config
 from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import bf16_bits_to_float32
-from .numba_constants import LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin
+from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin,
+                              query_tile)
 from .numba_launch import launch
 from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
                           row_stride)
@@ -158,7 +159,7 @@ def _dq_kernel_function(config, head_dim, causal, bf16):
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         tx = cuda.threadIdx.x % TX
         ty = cuda.threadIdx.x // TX
-        m0 = cuda.blockIdx.x * BLOCK_M
+        m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]

@@ -19,7 +19,7 @@ from numba_flash.config import simt_forward_config
 from numba_flash.intrinsics import SHARED_ALIGN, exp2
 
 from .numba_bits16 import float32_to_bf16_bits, unchanged
-from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end
+from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
 from .numba_launch import launch
 from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
 
@@ -50,7 +50,7 @@ def forward_kernel_function(config, head_dim, causal, bf16=False):
     def flash_forward(q, k, v, out, lse, scale_log2):
         tx = cuda.threadIdx.x % TX
         ty = cuda.threadIdx.x // TX
-        m0 = cuda.blockIdx.x * BLOCK_M
+        m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]

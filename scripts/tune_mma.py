@@ -3,9 +3,11 @@
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
 numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. The candidates listed
-compile without spills for sm_90 (ptxas, 2026-11-29; the d128 forward's (64, 6, 1) and
-(32, 4, 2) since the ldmatrix addresses of 2026-11-30); check a winner with
-scripts/ptx_check.py before choosing it for numba_flash/config.py.
+compile without spills for sm_90 (ptxas, 2026-11-29; since the ldmatrix addresses of
+2026-11-30 also the d128 forward's (64, 6, 1) and (32, 4, 2), and the backward's
+(32, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2) at d128 and (16, 64, 8, 2),
+(16, 32, 8, 2) at d64); check a winner with scripts/ptx_check.py before choosing it for
+numba_flash/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
 """
@@ -21,8 +23,8 @@ FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
     128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2), (64, 6, 1), (32, 4, 2)],
 }
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see MmaBackwardConfig
-    64: [(32, 64, 4, 1), (16, 64, 4, 1), (32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2)],
-    128: [(16, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2)],
+    64: [(16, 64, 4, 2), (32, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)],
+    128: [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2)],
 }
 
 
