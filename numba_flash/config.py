@@ -131,12 +131,13 @@ class MmaConfig:
         return 16 * self.warps * self.slices
 
 
-# Chosen by scripts/tune_mma.py on an H200, 2026-11-29 (third session, commit 7e6c1f5), N = 4096,
-# float16, full attention (docs/tune_mma_2026-11-29b.log): the fastest candidate that compiles
-# without spills for sm_80 and sm_90, full or causal (scripts/ptx_check.py, strided arrays) and
-# fits MMA_SHARED_MEMORY_BYTES. d64: (32, 4, 2) 229.6 TFLOP/s against 215.8 for (32, 8, 2) and
-# 205.1 for (64, 4, 1). d128: (64, 8, 1) 197.5 (68 KiB of shared memory) against 164.0 for
-# (16, 4, 2). Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that are
+# Chosen by scripts/tune_mma.py on an H200, N = 4096, float16 (docs/tune_mma_2026-11-29b.log,
+# docs/tune_mma_2026-11-30b.log): the fastest candidate that compiles without spills for sm_80
+# and sm_90, full or causal (scripts/ptx_check.py, strided arrays) and fits
+# MMA_SHARED_MEMORY_BYTES. d64 (2026-11-29, commit 7e6c1f5, full): (32, 4, 2) 229.6 TFLOP/s
+# against 215.8 for (32, 8, 2) and 205.1 for (64, 4, 1); again first on 2026-11-30 (233.7). d128
+# (2026-11-30, commit ad937c6, since the ldmatrix addresses): (32, 4, 2) 262.0 full and 211.0
+# causal, against 232.7 / 167.8 for (32, 8, 1) and 194.4 / 168.6 for (64, 8, 1), chosen before. Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that are
 # not multiples of 16 run padded.
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=32, warps=4, slices=2)),
@@ -166,13 +167,15 @@ class MmaBackwardConfig:
     stages: int = 1
 
 
-# Chosen the same way, with the two-stage candidates (2026-11-30, docs/tune_mma_2026-11-30.log):
-# d64 (16, 64, 4, 2 stages) 128.3 TFLOP/s against 111.0 for the one-stage (32, 64, 4) chosen
-# before and 120.5 for (32, 64, 4, 2 stages); d128 (16, 32, 4, 2 stages) 106.2 against 104.4 for
-# (16, 16, 4). ((64, 64, 4) ran at 124.7 on 2026-11-29 but its dK/dV kernel spills on sm_90.)
+# Chosen the same way, N = 4096, float16, full (fifth session, commit 6586110, with the ldmatrix
+# addresses, which let larger tiles fit in registers; docs/tune_mma_2026-11-30b.log): d64
+# (32, 64, 4, 2 stages) 162.6 TFLOP/s against 146.0 for (16, 64, 4, 2 stages) chosen before and
+# 133.1 for (32, 32, 8, 2 stages); d128 (32, 32, 4, 2 stages) 148.4 against 122.6 for
+# (16, 32, 4, 2 stages) and 115.1 for (16, 16, 8, 2 stages). ((16, 64, 4, 2 stages) at d128
+# needs more than MMA_SHARED_MEMORY_BYTES.)
 _MMA_BACKWARD = (
-    (64, MmaBackwardConfig(block_m=16, block_n=64, warps=4, stages=2)),
-    (128, MmaBackwardConfig(block_m=16, block_n=32, warps=4, stages=2)),
+    (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4, stages=2)),
+    (128, MmaBackwardConfig(block_m=32, block_n=32, warps=4, stages=2)),
 )
 
 

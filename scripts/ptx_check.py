@@ -89,7 +89,7 @@ def kernel_cases(head_dims, dtypes):
                        f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)", 0)
 
 
-def mma_kernel_cases(head_dims):
+def mma_kernel_cases(head_dims, dtypes=("float16", "bfloat16")):
     """The tensor-core kernels for every head dim that has an mma config (their tiles are in
     dynamic shared memory, so ptxas does not see them: the config says how much)."""
     u4 = "uint16[:, :, :, :]"
@@ -100,7 +100,7 @@ def mma_kernel_cases(head_dims):
         bwd = mma_backward_config(head_dim)
         dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for causal in (False, True):
-            for bf16 in (False, True):
+            for bf16 in (dtype == "bfloat16" for dtype in dtypes):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
                                                  bf16, config.slices)
@@ -125,13 +125,16 @@ def main(argv=None):
                         help="compute capabilities as two digits (default: 80 90)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
+    parser.add_argument("--mma-dtypes", nargs="*", default=["float16", "bfloat16"],
+                        choices=["float16", "bfloat16"],
+                        help="the tensor-core kernels' dtypes (none: SIMT kernels only)")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
     failed = 0
     for cc in args.cc:
         cases = list(kernel_cases(args.head_dims, args.dtypes)) + list(
-            mma_kernel_cases(args.head_dims))
+            mma_kernel_cases(args.head_dims, args.mma_dtypes))
         for name, function, signature, dynamic_bytes in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
             report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx,

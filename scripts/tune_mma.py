@@ -4,12 +4,13 @@ Each candidate is checked against float64 standard attention (first batch entry)
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
 numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. The candidates listed
 compile without spills for sm_90 (ptxas, 2026-11-29; since the ldmatrix addresses of
-2026-11-30 also the d128 forward's (64, 6, 1) and (32, 4, 2), and the backward's
-(32, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2) at d128 and (16, 64, 8, 2),
-(16, 32, 8, 2) at d64); check a winner with scripts/ptx_check.py before choosing it for
-numba_flash/config.py.
+2026-11-30 also the forward's (32, 6, 2) at d64 and (64, 6, 1), (32, 4, 2) at d128, and the
+backward's (16, 64, 8, 2), (16, 32, 8, 2), (64, 64, 4, 2) at d64 and (32, 32, 4, 2),
+(16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2) at d128); check a winner with
+scripts/ptx_check.py before choosing it for numba_flash/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
+    python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
 """
 import argparse
 import sys
@@ -19,13 +20,19 @@ import numpy as np
 import harness
 
 FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
-    64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2)],
+    64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2), (32, 6, 2)],
     128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2), (64, 6, 1), (32, 4, 2)],
 }
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see MmaBackwardConfig
-    64: [(16, 64, 4, 2), (32, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)],
+    64: [(16, 64, 4, 2), (32, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2),
+         (64, 64, 4, 2)],
     128: [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2)],
 }
+
+
+def config_tuple(text):
+    """'32,4,2' -> (32, 4, 2)"""
+    return tuple(int(x) for x in text.split(","))
 
 
 def main(argv=None):
@@ -35,7 +42,11 @@ def main(argv=None):
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--configs", nargs="+", type=config_tuple, metavar="A,B,C[,D]",
+                        help="time these configs instead of the tables' (one pass at a time)")
     args = parser.parse_args(argv)
+    if args.configs and len(args.passes) > 1:
+        parser.error("--configs needs exactly one of --passes fwd / bwd")
     reason = harness.gpu_ready()
     if reason:
         print(f"tune_mma.py needs a CUDA GPU and CuPy ({reason})")
@@ -60,7 +71,7 @@ def main(argv=None):
         bits = [cuda.as_cuda_array(x.view(cp.uint16), sync=False) for x in (q, k, v, dout)]
         tag = f"d{head_dim} N{n} {'causal' if causal else 'full'}"
         if "fwd" in args.passes:
-            for shape in FORWARD[head_dim]:
+            for shape in args.configs or FORWARD[head_dim]:
                 out = cp.full(q.shape, cp.nan, q.dtype)
                 lse = cp.empty((batch, nheads, n), cp.float32)
                 views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
@@ -86,7 +97,7 @@ def main(argv=None):
             launch_mma_forward(*views, causal, scale, False, 0)
             ref = attention_backward(cp, dout[first], q[first], k[first], v[first], out[first],
                                      lse[first], causal, scale, "float64")
-            for shape in BACKWARD[head_dim]:
+            for shape in args.configs or BACKWARD[head_dim]:
                 grads = [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)]
                 delta = cp.empty_like(lse)
                 gviews = [cuda.as_cuda_array(x, sync=False)
