@@ -59,13 +59,21 @@ def main(argv=None):
 
         def bwd(backend=backend):
             numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
-        runs[f"{backend} forward"] = fwd
-        runs[f"{backend} backward"] = bwd
+        runs[f"{backend} forward"] = fwd, sync
+        runs[f"{backend} backward"] = bwd, sync
     try:
         import torch
     except ImportError:
         torch = None
     if torch is not None:
+        # The same calls on torch tensors (bench.py's bfloat16 inputs are torch tensors).
+        for dtype in (torch.float16, torch.bfloat16):
+            tensors = [torch.from_dlpack(x).to(dtype) for x in (q, k, v, dout)]
+
+            def torch_fwd(tensors=tensors):
+                return numba_flash.forward(*tensors[:3], causal=True, backend="numba")
+            name = str(dtype).replace("torch.", "")
+            runs[f"numba forward, torch {name}"] = torch_fwd, torch.cuda.synchronize
         tq, tk, tv, tdout = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -75,18 +83,19 @@ def main(argv=None):
         def sdpa_fwdbwd():
             a, b, c = (x.detach().requires_grad_() for x in (tq, tk, tv))
             sdpa(a, b, c, is_causal=True).backward(tdout)
-        runs["sdpa forward"] = sdpa_fwd
-        runs["sdpa forward+backward"] = sdpa_fwdbwd
-    print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 causal, {args.calls} calls, "
-          f"stream synchronised after each")
-    for name, fn in runs.items():
-        print(f"{name:24s} {per_call_us(fn, sync, args.calls):8.1f} us per call", flush=True)
+        runs["sdpa forward"] = sdpa_fwd, torch.cuda.synchronize
+        runs["sdpa forward+backward"] = sdpa_fwdbwd, torch.cuda.synchronize
+    print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 (CuPy unless named) causal, "
+          f"{args.calls} calls, stream synchronised after each")
+    for name, (fn, synchronize) in runs.items():
+        print(f"{name:32s} {per_call_us(fn, synchronize, args.calls):8.1f} us per call",
+              flush=True)
     if args.profile:
         for name in ("numba forward", "numba backward"):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.calls):
-                runs[name]()
+                runs[name][0]()
             sync()
             profile.disable()
             print(f"\n== cProfile, {args.calls} x {name} (cumulative time)")
