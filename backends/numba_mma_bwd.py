@@ -2,8 +2,8 @@
 
 Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
 (backends/numba_backend.py). Checked against float64 under the simulator and on an H200
-(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py); the ldmatrix addressing of
-2026-11-30 (intrinsics.ldmatrix_x4_at) has run in the simulator only so far.
+(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py), the ldmatrix addressing
+(intrinsics.ldmatrix_x4_at) included.
 
 Same math and the same three launches as the SIMT backward (backends/numba_simt_bwd.py), with
 P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse, and no atomics:

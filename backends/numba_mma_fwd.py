@@ -2,8 +2,8 @@
 
 Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
 (backends/numba_backend.py). Checked against float64 under the simulator and on an H200
-(tests/test_mma_forward.py, tests/test_gpu.py, scripts/verify.py); the ldmatrix addressing of
-2026-11-30 (intrinsics.ldmatrix_x4_at) has run in the simulator only so far.
+(tests/test_mma_forward.py, tests/test_gpu.py, scripts/verify.py), the ldmatrix addressing
+(intrinsics.ldmatrix_x4_at) included.
 
 One block of WARPS warps per (query tile of BLOCK_M = 16·SLICES·WARPS rows, head, batch); warp
 w owns the SLICES 16-row slices starting at row 16·SLICES·w of the tile (SLICES = 1 by default;

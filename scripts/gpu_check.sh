@@ -17,19 +17,24 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
+# pytest-xdist (on the GPU machine's image) compiles the kernels of different tests side by side.
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null)"; } > "$OUT/env.txt"
+  # (the device's copy keeps an old HEAD: record the commit you sent yourself)
+  echo "HEAD of the copy, not the tree sent: $(git rev-parse --short HEAD 2>/dev/null)"
+} > "$OUT/env.txt"
 status=0
 for stage in "$@"; do
     case "$stage" in
         tests)
-            timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+            timeout 560 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
                 tests/test_launch.py tests/test_intrinsics.py tests/test_mma_forward.py \
                 tests/test_mma_backward.py \
                 tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
         api)
-            timeout 400 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py \
+            timeout 400 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
+                tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
         tune)
             timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;

@@ -45,8 +45,12 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="+", type=config_tuple, metavar="A,B,C[,D]",
                         help="time these configs instead of the tables' (one pass at a time)")
     args = parser.parse_args(argv)
-    if args.configs and len(args.passes) > 1:
-        parser.error("--configs needs exactly one of --passes fwd / bwd")
+    if args.configs:
+        if len(args.passes) > 1:
+            parser.error("--configs needs exactly one of --passes fwd / bwd")
+        fields = 3 if args.passes == ["fwd"] else 4
+        if any(len(config) != fields for config in args.configs):
+            parser.error(f"--configs for {args.passes[0]} takes {fields} numbers each")
     reason = harness.gpu_ready()
     if reason:
         print(f"tune_mma.py needs a CUDA GPU and CuPy ({reason})")

@@ -4,14 +4,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from error_rule import assert_within_rule
 from inputs import simulator_and_gpu_cases
-from test_mma_forward import decode, encode
+from mma_cases import run_backward
 
 from numba_flash.backends.numba_mma_bwd import launch_mma_backward
 from numba_flash.config import MmaBackwardConfig, mma_backward_config
-from numba_flash.standard_attention import attention_backward, attention_forward
-from numba_flash.testing import plain16_backward
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 1, 32)]
@@ -28,28 +25,7 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
         shape = (batch, 16 * seqlen_q + 3, 16 * seqlen_k + 5, nheads, head_dim)
     # The simulator runs a small config (fewer Python threads); the GPU the real one.
     config = MmaBackwardConfig(block_m=32, block_n=32, warps=2) if mode == "simulator" else None
-    _run_backward(rng, shape, causal, dtype, config)
-
-
-def _run_backward(rng, shape, causal, dtype, config):
-    """launch_mma_backward on random 16-bit inputs (out, lse from float64 attention), each
-    gradient checked by the rule against float64."""
-    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
-    draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
-    (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n), dtype)
-                                            for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
-    scale = head_dim ** -0.5
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    outb, out = encode(np.ascontiguousarray(ref_out), dtype)
-    lse = np.ascontiguousarray(ref_lse, np.float32)
-    grads = [np.full(x.shape, 0x7E00, np.uint16) for x in (qb, kb, vb)]  # poisoned
-    delta = np.full(lse.shape, np.nan, np.float32)
-    launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
-                        dtype == "bfloat16", config=config)
-    refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
-    bases = plain16_backward(np, do, q, k, v, out, lse, causal, scale, dtype)
-    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
-        assert_within_rule(name, decode(got, dtype), base, ref, "float16")
+    run_backward(rng, shape, causal, dtype, config)
 
 
 PIPELINED_CASES = simulator_and_gpu_cases([(1, 53, 41, 1, 16)],
@@ -66,15 +42,15 @@ def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
         config = MmaBackwardConfig(block_m=16, block_n=16, warps=1, stages=2)
     else:
         config = dataclasses.replace(mma_backward_config(shape[-1]), stages=2)
-    _run_backward(rng, shape, causal, dtype, config)
+    run_backward(rng, shape, causal, dtype, config)
 
 
 def test_two_stage_backward_with_unequal_tiles(rng):
     """block_m, block_n and the 16·warps rows of the fixed tiles all differ, so a buffer
     offset computed from the wrong one of them reads the wrong rows; 2 query tiles per key tile
     and 2 key tiles per query tile use both buffers."""
-    _run_backward(rng, (1, 40, 60, 1, 16), True, "float16",
-                  MmaBackwardConfig(block_m=32, block_n=48, warps=1, stages=2))
+    run_backward(rng, (1, 40, 60, 1, 16), True, "float16",
+                 MmaBackwardConfig(block_m=32, block_n=48, warps=1, stages=2))
 
 
 def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():

@@ -2,26 +2,10 @@
 under the simulator at small sizes, and with `-m gpu` on the GPU."""
 import numpy as np
 import pytest
-from error_rule import assert_within_rule
 from inputs import simulator_and_gpu_cases
+from mma_cases import run_forward
 
-from numba_flash.backends.numba_mma_fwd import launch_mma_forward
 from numba_flash.config import MmaConfig
-from numba_flash.standard_attention import attention_forward
-from numba_flash.testing import bf16_bits, bf16_values, plain16_forward
-
-
-def encode(x, dtype):
-    """(16-bit patterns, the float32 values they hold)."""
-    if dtype == "float16":
-        half = x.astype(np.float16)
-        return half.view(np.uint16), half.astype(np.float32)
-    bits = bf16_bits(np, x)
-    return bits, bf16_values(np, bits)
-
-
-def decode(bits, dtype):
-    return bits.view(np.float16).astype(np.float32) if dtype == "float16" else bf16_values(np, bits)
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 32), (1, 5, 40, 1, 128)]
@@ -38,12 +22,7 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
     """slices=2: each warp owns two 16-row slices (a tuning option of MmaConfig)."""
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     if mode == "gpu":  # real sizes on the GPU
-        seqlen_q, seqlen_k = 16 * seqlen_q + 3, 16 * seqlen_k + 5
-    draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
-    (qb, q), (kb, k), (vb, v) = (encode(draw(n), dtype) for n in (seqlen_q, seqlen_k, seqlen_k))
-    out = np.full(qb.shape, 0x7E00, np.uint16)  # NaN in float16 and a NaN-ish bf16 pattern
-    lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
-    scale = head_dim ** -0.5
+        shape = (batch, 16 * seqlen_q + 3, 16 * seqlen_k + 5, nheads, head_dim)
     # The simulator runs a small config (fewer Python threads); the GPU the real one, or for
     # two slices a config ptxas accepts without spills.
     if mode == "simulator":
@@ -51,14 +30,7 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
     else:
         config = None if slices == 1 else MmaConfig(block_n=32 if head_dim <= 64 else 16,
                                                     warps=4, slices=slices)
-    launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, _ = plain16_forward(np, q, k, v, causal, scale, dtype)
-    assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(lse), finite)
-    scale = max(1, np.abs(ref_lse[finite]).max())
-    assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
+    run_forward(rng, shape, causal, dtype, config)
 
 
 def test_configs_beyond_the_shared_memory_limit_are_refused():

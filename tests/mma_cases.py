@@ -1,0 +1,63 @@
+"""The tensor-core kernels' test cases, shared by tests/test_mma_forward.py,
+tests/test_mma_backward.py and tests/test_properties.py: 16-bit inputs as bit patterns, one
+launch into poisoned outputs, every result checked against float64."""
+import numpy as np
+from error_rule import assert_within_rule
+
+from numba_flash.backends.numba_mma_bwd import launch_mma_backward
+from numba_flash.backends.numba_mma_fwd import launch_mma_forward
+from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.testing import bf16_bits, bf16_values, plain16_backward, plain16_forward
+
+
+def encode(x, dtype):
+    """(16-bit patterns, the float32 values they hold)."""
+    if dtype == "float16":
+        half = x.astype(np.float16)
+        return half.view(np.uint16), half.astype(np.float32)
+    bits = bf16_bits(np, x)
+    return bits, bf16_values(np, bits)
+
+
+def decode(bits, dtype):
+    return bits.view(np.float16).astype(np.float32) if dtype == "float16" else bf16_values(np, bits)
+
+
+def run_forward(rng, shape, causal, dtype, config):
+    """launch_mma_forward on random 16-bit inputs into poisoned outputs; out checked by the
+    rule against float64, lse against float64 (same rows infinite, values within 1e-4)."""
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
+    (qb, q), (kb, k), (vb, v) = (encode(draw(n), dtype) for n in (seqlen_q, seqlen_k, seqlen_k))
+    out = np.full(qb.shape, 0x7E00, np.uint16)  # NaN in float16 and a NaN-ish bf16 pattern
+    lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
+    scale = head_dim ** -0.5
+    launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    base_out, _ = plain16_forward(np, q, k, v, causal, scale, dtype)
+    assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    scale = max(1, np.abs(ref_lse[finite]).max())
+    assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
+
+
+def run_backward(rng, shape, causal, dtype, config):
+    """launch_mma_backward on random 16-bit inputs (out, lse from float64 attention), each
+    gradient checked by the rule against float64."""
+    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+    draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
+    (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n), dtype)
+                                            for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    outb, out = encode(np.ascontiguousarray(ref_out), dtype)
+    lse = np.ascontiguousarray(ref_lse, np.float32)
+    grads = [np.full(x.shape, 0x7E00, np.uint16) for x in (qb, kb, vb)]  # poisoned
+    delta = np.full(lse.shape, np.nan, np.float32)
+    launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
+                        dtype == "bfloat16", config=config)
+    refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
+    bases = plain16_backward(np, do, q, k, v, out, lse, causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, decode(got, dtype), base, ref, "float16")
