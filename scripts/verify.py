@@ -206,7 +206,7 @@ def main(argv=None):
     if not on_gpu:
         harness.use_simulator()
         print(f"No GPU run ({reason}): running the Numba kernels in Numba's CUDA simulator "
-              f"at small sizes (slow: about half a minute).\n")
+              f"at small sizes (slow: two to three minutes).\n")
     import numba_flash
     xp = np
     if on_gpu:
