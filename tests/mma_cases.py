@@ -9,6 +9,9 @@ from numba_flash.backends.numba_mma_fwd import launch_mma_forward
 from numba_flash.standard_attention import attention_backward, attention_forward
 from numba_flash.testing import bf16_bits, bf16_values, plain16_backward, plain16_forward
 
+#: a quiet NaN both as float16 and as bfloat16 bits: what outputs are poisoned with
+NAN16 = 0x7FC0
+
 
 def encode(x, dtype):
     """(16-bit patterns, the float32 values they hold)."""
@@ -25,11 +28,11 @@ def decode(bits, dtype):
 
 def run_forward(rng, shape, causal, dtype, config):
     """launch_mma_forward on random 16-bit inputs into poisoned outputs; out checked by the
-    rule against float64, lse against float64 (same rows infinite, values within 1e-4)."""
+    rule against float64, lse against float64 (the same rows -inf, the others within 1e-4)."""
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
     (qb, q), (kb, k), (vb, v) = (encode(draw(n), dtype) for n in (seqlen_q, seqlen_k, seqlen_k))
-    out = np.full(qb.shape, 0x7E00, np.uint16)  # NaN in float16 and a NaN-ish bf16 pattern
+    out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
     scale = head_dim ** -0.5
     launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
@@ -38,6 +41,7 @@ def run_forward(rng, shape, causal, dtype, config):
     assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite)
+    assert np.array_equal(lse[~finite], ref_lse[~finite])  # -inf where a row sees no key
     scale = max(1, np.abs(ref_lse[finite]).max())
     assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
 
@@ -53,7 +57,7 @@ def run_backward(rng, shape, causal, dtype, config):
     ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
     outb, out = encode(np.ascontiguousarray(ref_out), dtype)
     lse = np.ascontiguousarray(ref_lse, np.float32)
-    grads = [np.full(x.shape, 0x7E00, np.uint16) for x in (qb, kb, vb)]  # poisoned
+    grads = [np.full(x.shape, NAN16, np.uint16) for x in (qb, kb, vb)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
     launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
                         dtype == "bfloat16", config=config)

@@ -6,7 +6,6 @@ import numpy as np
 from error_rule import assert_within_rule
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mma_cases import run_backward, run_forward
 
 import numba_flash
