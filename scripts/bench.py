@@ -22,10 +22,8 @@ import harness
 #: SIMT kernels beside them.
 NUMBA_FLASH_BACKENDS = ("numba", "numba-simt", "cupy")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-TORCH_BACKENDS = {"float16": ("flash", "cudnn", "efficient", "math"),
-                  "bfloat16": ("flash", "cudnn", "efficient", "math"),
-                  "float32": ("efficient", "math")}
 SDPA_KINDS = ("flash", "cudnn", "efficient", "math")
+TORCH_BACKENDS = {"float16": SDPA_KINDS, "bfloat16": SDPA_KINDS, "float32": ("efficient", "math")}
 
 
 def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, passes):
@@ -81,7 +79,10 @@ def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     # (B, N, H, D) CuPy arrays -> (B, H, N, D) torch views of the same memory.
     views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
-    for kind in (kind for kind in TORCH_BACKENDS[dtype] if kind in sdpa_kinds):
+    for kind in TORCH_BACKENDS[dtype]:
+        if kind not in sdpa_kinds:
+            continue
+
         def run(i, kind=kind):
             q, k, v, dout = views[i]
             with sdpa_kernel(kinds[kind]):

@@ -89,7 +89,10 @@ def kernel_cases(head_dims, dtypes):
                        f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)", 0)
 
 
-def mma_kernel_cases(head_dims, dtypes=("float16", "bfloat16")):
+MMA_DTYPES = ("float16", "bfloat16")
+
+
+def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
     """The tensor-core kernels for every head dim that has an mma config (their tiles are in
     dynamic shared memory, so ptxas does not see them: the config says how much)."""
     u4 = "uint16[:, :, :, :]"
@@ -125,8 +128,7 @@ def main(argv=None):
                         help="compute capabilities as two digits (default: 80 90)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
-    parser.add_argument("--mma-dtypes", nargs="*", default=["float16", "bfloat16"],
-                        choices=["float16", "bfloat16"],
+    parser.add_argument("--mma-dtypes", nargs="*", default=list(MMA_DTYPES), choices=MMA_DTYPES,
                         help="the tensor-core kernels' dtypes (none: SIMT kernels only)")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)

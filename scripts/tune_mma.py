@@ -2,12 +2,10 @@
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
-numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. The candidates listed
-compile without spills for sm_90 (ptxas, 2026-11-29; since the ldmatrix addresses of
-2026-11-30 also the forward's (32, 6, 2) at d64 and (64, 6, 1), (32, 4, 2) at d128, and the
-backward's (16, 64, 8, 2), (16, 32, 8, 2), (64, 64, 4, 2) at d64 and (32, 32, 4, 2),
-(16, 64, 4, 2), (32, 64, 4, 2), (16, 16, 8, 2) at d128); check a winner with
-scripts/ptx_check.py before choosing it for numba_flash/config.py.
+numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. Each candidate listed
+compiled without spills for sm_90 when it was added (ptxas; several only since the ldmatrix
+addresses of 2026-11-30); check a winner with scripts/ptx_check.py before choosing it for
+numba_flash/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
     python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
