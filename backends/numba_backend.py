@@ -23,6 +23,7 @@ from numba_flash import _arrays
 from numba_flash.backend_base import Backend
 from numba_flash.config import mma_backward_config, mma_forward_config
 
+from . import numba_replay
 from .numba_launch import DeviceView, device_view, on_device
 
 MMA = "tensor cores"
@@ -171,7 +172,24 @@ class NumbaBackend(Backend):
 
     def _new(self, ref, shape, dtype):
         """A new C-contiguous array of ref's library and device (outputs and scratch)."""
-        return _arrays.empty_like_kind(ref, shape, dtype)
+        array = _arrays.empty_like_kind(ref, shape, dtype)
+        numba_replay.note_allocation(shape, dtype, array)
+        return array
+
+    # -- replays of repeated calls (backends/numba_replay.py, numba_flash/call_cache.py) --------
+
+    def forward_and_replay(self, q, k, v, *, causal, softmax_scale):
+        with numba_replay.recording() as record:
+            result, fallback = super().forward_and_replay(q, k, v, causal=causal,
+                                                          softmax_scale=softmax_scale)
+        return result, numba_replay.build_replay(self, record, (q, k, v), result) or fallback
+
+    def backward_and_replay(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+        inputs = (dout, q, k, v, out, lse)
+        with numba_replay.recording() as record:
+            result, fallback = super().backward_and_replay(*inputs, causal=causal,
+                                                           softmax_scale=softmax_scale)
+        return result, numba_replay.build_replay(self, record, inputs, result) or fallback
 
     def forward(self, q, k, v, *, causal, softmax_scale):
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)

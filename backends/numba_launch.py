@@ -11,8 +11,9 @@ Here an array is a `DeviceView` (pointer, shape, strides, dtype, read straight f
 torch or `__cuda_array_interface__`). The compiled kernel is looked up once per (kernel,
 argument types, device), and the arguments are packed the way Numba's kernel ABI lays an array
 out (`ARRAY_FIELDS`; numba-cuda is pinned < 0.31 in setup.cfg, and tests/test_launch.py checks
-the layout against Numba's data model). The launch goes through cuda.core, as Numba's does.
-Under the simulator the arrays are NumPy arrays and launches go through Numba as before.
+the layout against Numba's data model) once per argument signature into a `PreparedLaunch`,
+which then takes only the arrays' addresses and a stream to call cuLaunchKernel. Under the
+simulator the arrays are NumPy arrays and launches go through Numba as before.
 """
 import ctypes
 import functools
@@ -23,6 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from numba_flash.config import SHARED_MEMORY_BYTES
+
+from . import numba_replay
 
 #: the fields of a Numba array argument, in the order its kernel parameters take them
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
@@ -124,18 +127,25 @@ def _array_signature(dtype, shape, strides):
             (math.prod(shape), dtype.itemsize), shape + strides)
 
 
-def _argument(arg):
-    """(Numba type, kernel parameters) of one argument: a DeviceView or a float32 scalar."""
+def _launch_arg(arg):
+    """A float32 scalar as it is, any other argument as its DeviceView."""
     if isinstance(arg, np.float32):
-        from numba import types
-        return types.float32, (ctypes.c_float(arg),)
+        return arg
     if isinstance(arg, (np.generic, int, float)):
         raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
                         f"{type(arg).__name__}")
-    view = device_view(arg)
-    argtype, sizes, shape_strides = _array_signature(view.dtype, view.shape, view.strides)
+    return device_view(arg)
+
+
+def _argument(arg):
+    """(Numba type, kernel parameters) of one argument: a DeviceView or a float32 scalar."""
+    arg = _launch_arg(arg)
+    if isinstance(arg, np.float32):
+        from numba import types
+        return types.float32, (ctypes.c_float(arg),)
+    argtype, sizes, shape_strides = _array_signature(arg.dtype, arg.shape, arg.strides)
     # meminfo, parent, nitems, itemsize, data, shape, strides (ARRAY_FIELDS)
-    return argtype, (0, 0, *sizes, view.ptr, *shape_strides)
+    return argtype, (0, 0, *sizes, arg.ptr, *shape_strides)
 
 
 def current_device():
@@ -155,8 +165,7 @@ def on_device(device):
 
 
 class _Compiled(NamedTuple):
-    kernel: object  # cuda.core Kernel
-    handle: object  # its driver handle
+    handle: object  # the kernel's driver handle
     shared_limit: list  # [bytes of dynamic shared memory the kernel is opted in to]
 
 
@@ -171,7 +180,7 @@ def _compile(kernel, argtypes, device):
     with _lock, cuda.gpus[device]:
         if key not in _compiled:
             cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
-            _compiled[key] = _Compiled(cufunc.kernel, cufunc.handle, [SHARED_MEMORY_BYTES])
+            _compiled[key] = _Compiled(cufunc.handle, [SHARED_MEMORY_BYTES])
         return _compiled[key]
 
 
@@ -192,23 +201,90 @@ def _opt_in(compiled, shared_bytes, device):
         compiled.shared_limit[0] = shared_bytes
 
 
-@functools.lru_cache(maxsize=64)
-def _core_stream(handle):
-    """A cuda.core stream for a stream handle (a wrapper: it never owns, or destroys, the
-    stream; a launch uses only the handle)."""
-    from cuda.core import Stream
-    return Stream.from_handle(handle)
+class PreparedLaunch:
+    """One launch of a compiled kernel with its grid, block, shared memory and every parameter
+    fixed but the arrays' addresses: calling it with those and a stream launches it.
+
+    The parameters are packed once, 8 bytes each (a float32 in the low half of its slot), in
+    the order Numba's kernel ABI takes them (ARRAY_FIELDS); `pointer_slots` are the slots of
+    the arrays' `data` fields. cuLaunchKernel copies the parameters before it returns, so one
+    buffer serves every launch, under a lock in case two threads launch it at once."""
+
+    def __init__(self, function, grid, block, shared_bytes, parameters, pointer_slots):
+        self.function, self.shared_bytes = function, shared_bytes
+        self.dims = tuple(grid) + (1,) * (3 - len(grid)) + tuple(block) + (1,) * (3 - len(block))
+        self.pointer_slots = tuple(pointer_slots)
+        self._values = (ctypes.c_int64 * len(parameters))()
+        for slot, value in enumerate(parameters):
+            if isinstance(value, ctypes.c_float):
+                ctypes.c_float.from_buffer(self._values, 8 * slot).value = value.value
+            else:
+                self._values[slot] = value
+        base = ctypes.addressof(self._values)
+        self._addresses = (ctypes.c_void_p * len(parameters))(
+            *(base + 8 * slot for slot in range(len(parameters))))
+        self._kernel_params = ctypes.addressof(self._addresses)
+        self._lock = threading.Lock()
+
+    def __call__(self, stream, pointers):
+        """Launch on `stream` (a handle) with the arrays at `pointers`, in argument order."""
+        with self._lock:
+            for slot, pointer in zip(self.pointer_slots, pointers):
+                self._values[slot] = pointer
+            _driver_launch(self.function, self.dims, self.shared_bytes, stream,
+                           self._kernel_params)
 
 
-def _core_launch(stream, config, kernel, *parameters):
-    from cuda.core import launch as core_launch
-    core_launch(stream, config, kernel, *parameters)
+def _driver_launch(function, dims, shared_bytes, stream, kernel_params):
+    """cuLaunchKernel; `kernel_params` is the address of the array of parameter addresses."""
+    binding = _driver()
+    error = binding.cuLaunchKernel(function, *dims, shared_bytes, stream, kernel_params, 0)[0]
+    if error != binding.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"kernel launch failed: {error.name} (grid and block {dims}, "
+                           f"{shared_bytes} bytes of dynamic shared memory)")
 
 
-@functools.lru_cache(maxsize=1024)
-def _launch_config(grid, block, shared_bytes):
-    from cuda.core import LaunchConfig
-    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+@functools.lru_cache(maxsize=None)
+def _driver():
+    from numba.cuda.cudadrv.driver import binding
+    return binding
+
+
+_prepared = {}
+
+
+def _signature(arg):
+    """What of an argument a prepared launch fixes: all but an array's address."""
+    if isinstance(arg, np.float32):
+        return float(arg)
+    return (arg.dtype, arg.shape, arg.strides)
+
+
+def prepare(kernel, grid, block, shared_bytes, args, device):
+    """The PreparedLaunch of kernel[grid, block, stream, shared_bytes](*args) on `device`
+    (cached per argument signature: a training loop repeats its shapes). `args` are
+    DeviceViews and float32 scalars."""
+    key = (kernel, device, grid, block, shared_bytes, *map(_signature, args))
+    prepared = _prepared.get(key)
+    if prepared is not None:
+        return prepared
+    argtypes, parameters, pointer_slots = [], [], []
+    for arg in args:
+        argtype, values = _argument(arg)
+        if not isinstance(arg, np.float32):
+            pointer_slots.append(len(parameters) + ARRAY_FIELDS.index("data"))
+        argtypes.append(argtype)
+        parameters.extend(values)
+    argtypes = tuple(argtypes)
+    compiled = _compiled.get((kernel, argtypes, device)) or _compile(kernel, argtypes, device)
+    if shared_bytes > compiled.shared_limit[0]:
+        _opt_in(compiled, shared_bytes, device)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    prepared = PreparedLaunch(compiled.handle, grid, block, shared_bytes, parameters,
+                              pointer_slots)
+    with _lock:
+        return _prepared.setdefault(key, prepared)
 
 
 def launch(kernel, grid, block, stream, shared_bytes, *args):
@@ -219,7 +295,8 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
     simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
     and float32 scalars. NumPy arrays are copied to the GPU and back around the launch, as
-    Numba does (the kernel tests use that; it synchronises)."""
+    Numba does (the kernel tests use that; it synchronises). Inside `numba_replay.recording()`
+    the launch is noted for a replay."""
     from numba import config
     if config.ENABLE_CUDASIM:
         kernel[grid, block, stream, shared_bytes](*args)
@@ -233,21 +310,12 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
         for i in host:
             uploaded[i].copy_to_host(args[i])
         return
-    argtypes, parameters = [], []
-    for arg in args:
-        argtype, values = _argument(arg)
-        argtypes.append(argtype)
-        parameters.extend(values)
+    args = [_launch_arg(arg) for arg in args]
     device = current_device()
     if device is None:  # no context yet on this thread: Numba's, on its current device
         from numba import cuda
         device = cuda.get_current_device().id
-    argtypes = tuple(argtypes)
-    compiled = _compiled.get((kernel, argtypes, device)) or _compile(kernel, argtypes, device)
-    if shared_bytes > compiled.shared_limit[0]:
-        _opt_in(compiled, shared_bytes, device)
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
-    handle = 0 if stream is None else int(stream)  # (a Numba stream gives its handle)
-    _core_launch(_core_stream(handle), _launch_config(grid, block, shared_bytes),
-                 compiled.kernel, *parameters)
+    prepared = prepare(kernel, grid, block, shared_bytes, args, device)
+    pointers = [arg.ptr for arg in args if not isinstance(arg, np.float32)]
+    prepared(0 if stream is None else int(stream), pointers)  # (a Numba stream gives its handle)
+    numba_replay.note_launch(prepared, pointers)

@@ -56,6 +56,16 @@ def device_id(x):
     return None
 
 
+def data_pointer(x):
+    """The device address of a device array's first element."""
+    module = type(x).__module__ or ""
+    if module.startswith("cupy"):
+        return x.data.ptr
+    if module.startswith("torch"):
+        return x.data_ptr()
+    return x.__cuda_array_interface__["data"][0]
+
+
 def as_numpy(x):
     """Host view of a host array (NumPy, or a CPU torch tensor; bfloat16 ones as float32)."""
     if isinstance(x, np.ndarray):

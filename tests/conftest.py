@@ -66,10 +66,10 @@ def launch_streams(monkeypatch):
     order."""
     from numba_flash.backends import numba_launch
     seen = []
-    real = numba_launch._core_launch
+    real = numba_launch._driver_launch
 
-    def record(stream, *rest):
-        seen.append(int(stream.handle))
-        real(stream, *rest)
-    monkeypatch.setattr(numba_launch, "_core_launch", record)
+    def record(function, dims, shared_bytes, stream, kernel_params):
+        seen.append(int(stream))
+        real(function, dims, shared_bytes, stream, kernel_params)
+    monkeypatch.setattr(numba_launch, "_driver_launch", record)
     return seen

@@ -1,0 +1,91 @@
+"""Replays: the kernel launches of one call, repeated on new arrays of the same signature.
+
+The first call of a signature runs the backend's Python (engine choice, views, padded copies,
+kernel lookup, parameter packing) inside `recording()`, which notes each allocation the backend
+makes (`note_allocation`) and each launch (`note_launch`, from numba_launch.launch). If every
+address a launch took is the address of exactly one of the call's arrays or allocations,
+`build_replay` turns the record into a `Replay`: later calls of the same signature only
+allocate, read the new addresses and launch. numba_flash/call_cache.py keys replays by
+signature, so everything that decided the record (shapes, strides, dtypes, device, alignment of
+the addresses, causal, scale, backend) is the same when a replay runs.
+"""
+import contextlib
+import threading
+
+from numba_flash import _arrays
+
+_active = threading.local()
+
+
+class Recording:
+    """A call's allocations [(shape, dtype, array)] and launches [(prepared, addresses)]."""
+
+    def __init__(self):
+        self.allocations, self.launches = [], []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, allocations and launches on this thread are noted in the Recording
+    it yields."""
+    record, previous = Recording(), getattr(_active, "record", None)
+    _active.record = record
+    try:
+        yield record
+    finally:
+        _active.record = previous
+
+
+def note_allocation(shape, dtype, array):
+    record = getattr(_active, "record", None)
+    if record is not None:
+        record.allocations.append((shape, dtype, array))
+
+
+def note_launch(prepared, pointers):
+    record = getattr(_active, "record", None)
+    if record is not None:
+        record.launches.append((prepared, pointers))
+
+
+class Replay:
+    """Calling it with the call's arrays (inputs) returns what the recorded call returned,
+    freshly allocated and computed: `backend._new` allocates (looked up per call, so a test
+    that patches it still sees every allocation), `backend._stream` names the stream and
+    `backend._on_device` makes the arrays' GPU current, as in the recorded call."""
+    __slots__ = ("backend", "allocations", "launches", "results")
+
+    def __init__(self, backend, allocations, launches, results):
+        self.backend, self.allocations = backend, allocations
+        self.launches, self.results = launches, results
+
+    def __call__(self, *inputs):
+        backend, ref = self.backend, inputs[0]
+        with backend._on_device(ref):
+            arrays = list(inputs)
+            arrays += [backend._new(ref, shape, dtype) for shape, dtype in self.allocations]
+            pointers = [_arrays.data_pointer(x) for x in arrays]
+            stream = backend._stream(ref)
+            for prepared, roles in self.launches:
+                prepared(stream, [pointers[role] for role in roles])
+        return tuple(arrays[i] for i in self.results)
+
+
+def build_replay(backend, record, inputs, results):
+    """A Replay of `record`, made by a call of `backend` on `inputs` that returned `results`;
+    None where an address does not name exactly one array (inputs that alias, scratch freed
+    within the call, a view at an offset): such calls take the full path every time."""
+    arrays = list(inputs) + [array for _, _, array in record.allocations]
+    pointers = [_arrays.data_pointer(x) for x in arrays]
+    role_of = {pointer: role for role, pointer in enumerate(pointers)}
+    if len(role_of) != len(pointers) or not record.launches:
+        return None
+    try:
+        launches = tuple((prepared, tuple(role_of[p] for p in launch_pointers))
+                         for prepared, launch_pointers in record.launches)
+        result_roles = tuple(next(role for role in range(len(inputs), len(arrays))
+                                  if arrays[role] is result) for result in results)
+    except (KeyError, StopIteration):
+        return None
+    allocations = tuple((shape, dtype) for shape, dtype, _ in record.allocations)
+    return Replay(backend, allocations, launches, result_roles)

@@ -1,0 +1,67 @@
+"""Repeated calls: what a call signature seen before skips.
+
+A training or inference loop calls forward and backward with the same shapes again and again.
+The first call of a signature runs the checks, chooses the backend and lets the backend set its
+launches up; the backend hands back a replay (Backend.forward_and_replay), kept here under the
+signature. The next call with that signature runs the replay directly: for the numba backends,
+allocate the outputs and launch the recorded kernels on the new addresses
+(backends/numba_replay.py).
+
+The signature holds everything those decisions read: the operation, the backend asked for (and
+the default it stands for), causal, softmax_scale and, per array, its type, shape, strides,
+dtype, device and whether its address is 16-byte aligned. Only CuPy arrays and CUDA torch
+tensors have signatures; other calls always take the full path. A signature that failed a check
+is never stored, so bad input always meets its error.
+"""
+import threading
+
+from numba_flash import registry
+
+#: signatures kept; past this the oldest goes (a loop uses a handful)
+MAX_ENTRIES = 256
+
+_replays = {}
+_lock = threading.Lock()
+
+
+def _array_signature(x):
+    module = type(x).__module__ or ""
+    if module.startswith("cupy"):
+        return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
+    if module.startswith("torch") and x.is_cuda:
+        return type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
+    return None
+
+
+def signature(operation, backend, causal, softmax_scale, arrays):
+    """The call's signature, or None for a call that is not cached."""
+    if type(causal) is not bool or type(backend) is not str:
+        return None
+    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+        return None
+    arrays = tuple(map(_array_signature, arrays))
+    if None in arrays:
+        return None
+    if backend == registry.AUTO:
+        backend = (backend, registry.default_backend())
+    return operation, backend, causal, softmax_scale, arrays
+
+
+def get(key):
+    """The replay stored under `key`, or None."""
+    return None if key is None else _replays.get(key)
+
+
+def put(key, replay):
+    if key is None:
+        return
+    with _lock:
+        if len(_replays) >= MAX_ENTRIES:
+            del _replays[next(iter(_replays))]
+        _replays[key] = replay
+
+
+def clear():
+    """Forget every replay (the next call of each signature takes the full path)."""
+    with _lock:
+        _replays.clear()

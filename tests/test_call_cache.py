@@ -1,0 +1,295 @@
+"""Repeated calls (numba_flash/call_cache.py, backends/numba_replay.py): a signature seen before
+skips the checks and the set-up, yet gives the same results, on the new arrays; bad input still
+meets its error; the launch parameters are packed the way the kernels read them."""
+import contextlib
+import ctypes
+import functools
+import itertools
+
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+from inputs import random_qkv
+
+import numba_flash
+from numba_flash import _checks, call_cache, registry
+from numba_flash.backends import numba_launch, numba_replay
+from numba_flash.standard_attention import attention_backward, attention_forward
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    call_cache.clear()
+    yield
+    call_cache.clear()
+
+
+def _numpy_signature(x):
+    """Signatures for NumPy arrays too, so the API's cache can be exercised without a GPU."""
+    return type(x), x.shape, x.strides, x.dtype, "host", x.ctypes.data % 16 == 0
+
+
+# -- CPU ----------------------------------------------------------------------------------------
+
+def test_only_device_arrays_and_plain_options_have_signatures(rng, monkeypatch):
+    q, k, v = random_qkv(rng, 1, 5, 6, 2, 8, "float32")
+    assert call_cache.signature("forward", "auto", False, None, (q, k, v)) is None  # NumPy
+    torch = pytest.importorskip("torch")
+    assert call_cache.signature("forward", "auto", False, None,
+                                [torch.from_numpy(x) for x in (q, k, v)]) is None  # CPU torch
+    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+    key = call_cache.signature("forward", "auto", True, 0.5, (q, k, v))
+    assert key is not None and key[1] == ("auto", registry.default_backend())
+    with numba_flash.use_backend("numpy"):  # "auto" stands for another default now
+        assert call_cache.signature("forward", "auto", True, 0.5, (q, k, v)) != key
+    # options whose checks depend on their type are never cached
+    for causal, scale in [(1, 0.5), (True, np.float32(0.5)), (True, True), (True, "0.5")]:
+        assert call_cache.signature("forward", "auto", causal, scale, (q, k, v)) is None
+    assert call_cache.signature("forward", "auto", True, 0.5, (q, k[:, :, :, ::2], v)) != key
+
+
+def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monkeypatch):
+    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+    q, k, v = random_qkv(rng, 2, 7, 9, 2, 16, "float32")
+    numba_flash.forward(q, k, v, causal=True, backend="numpy")
+    checked = []
+    real_check = _checks.check_qkv
+    monkeypatch.setattr(_checks, "check_qkv", lambda *a: checked.append(1) or real_check(*a))
+    q, k, v = random_qkv(rng, 2, 7, 9, 2, 16, "float32")  # same signature, new values
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numpy")
+    assert not checked
+    ref_out, ref_lse = attention_forward(np, q, k, v, True, 16 ** -0.5, np.float64)
+    assert np.abs(out - ref_out).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
+    numba_flash.forward(q, k, v, causal=False, backend="numpy")  # another signature: checked
+    assert checked == [1]
+    with pytest.raises(ValueError, match="headdim mismatch: q has 16, v has 8"):
+        numba_flash.forward(q, k, v[..., :8], causal=True, backend="numpy")
+
+
+def test_a_failed_call_is_not_cached(rng, monkeypatch):
+    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+    q, k, v = random_qkv(rng, 1, 4, 4, 1, 8, "float32")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite positive number"):
+            numba_flash.forward(q, k, v, softmax_scale=-1.0, backend="numpy")
+
+
+def test_the_cache_keeps_the_newest_signatures(monkeypatch):
+    monkeypatch.setattr(call_cache, "MAX_ENTRIES", 3)
+    for i in range(5):
+        call_cache.put(("key", i), i)
+    assert [call_cache.get(("key", i)) for i in range(5)] == [None, None, 2, 3, 4]
+
+
+def test_a_prepared_launch_packs_its_parameters_once(monkeypatch):
+    launches = []
+    monkeypatch.setattr(numba_launch, "_driver_launch", lambda *a: launches.append(a))
+    parameters = [0, 0, 60, 2, 0x7000_1000, 3, 4, 5, 40, 10, 2, ctypes.c_float(0.375), -8]
+    prepared = numba_launch.PreparedLaunch("kernel", (6, 2), (128,), 4096, parameters, [4])
+    for pointer in (0x7100_0000, 0x7200_0040):
+        prepared(7, [pointer])
+        function, dims, shared_bytes, stream, kernel_params = launches[-1]
+        assert (function, dims, shared_bytes, stream) == ("kernel", (6, 2, 1, 128, 1, 1), 4096, 7)
+        addresses = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        read = [ctypes.c_int64.from_address(addresses[i]).value for i in range(len(parameters))]
+        scale = ctypes.c_float.from_address(addresses[11]).value
+        assert read[:4] + read[5:11] + read[12:] == parameters[:4] + parameters[5:11] + [-8]
+        assert read[4] == pointer and scale == 0.375
+
+
+class FakeDeviceArray:
+    """An allocation known only by its address."""
+    addresses = itertools.count(0x7000_0000, 0x1000)
+
+    def __init__(self, shape=(1,), dtype="float32"):
+        self.shape, self.dtype = shape, dtype
+        self.__cuda_array_interface__ = {"data": (next(self.addresses), False)}
+
+    @property
+    def ptr(self):
+        return self.__cuda_array_interface__["data"][0]
+
+
+class FakeBackend:
+    def __init__(self):
+        self.devices = []
+
+    def _new(self, ref, shape, dtype):
+        array = FakeDeviceArray(shape, dtype)
+        numba_replay.note_allocation(shape, dtype, array)
+        return array
+
+    def _stream(self, ref):
+        return 0x5000
+
+    def _on_device(self, ref):
+        self.devices.append(ref)
+        return contextlib.nullcontext()
+
+
+class FakeLaunch:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, stream, pointers):
+        self.calls.append((stream, pointers))
+
+
+def _record_forward(backend, q, k, v, first, second):
+    """What a backend's forward on (q, k, v) notes: two allocations, two launches."""
+    with numba_replay.recording() as record:
+        out, lse = backend._new(q, (2, 3), "float16"), backend._new(q, (2,), "float32")
+        numba_replay.note_launch(first, [q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr])
+        numba_replay.note_launch(second, [out.ptr, q.ptr])
+    return record, (out, lse)
+
+
+def test_a_replay_launches_on_the_new_calls_addresses():
+    backend, first, second = FakeBackend(), FakeLaunch(), FakeLaunch()
+    q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
+    record, result = _record_forward(backend, q, k, v, first, second)
+    replay = numba_replay.build_replay(backend, record, (q, k, v), result)
+    new = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
+    out, lse = replay(*new)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 3), "float16", (2,), "float32")
+    assert out.ptr not in (result[0].ptr, result[1].ptr)
+    assert first.calls[-1] == (0x5000, [x.ptr for x in (*new, out, lse)])
+    assert second.calls[-1] == (0x5000, [out.ptr, new[0].ptr])
+    assert backend.devices == [new[0]]
+    q2, _, v2 = new  # aliased inputs at replay time: each role reads its own argument
+    replay(q2, q2, v2)
+    assert first.calls[-1][1][:3] == [q2.ptr, q2.ptr, v2.ptr]
+
+
+def test_no_replay_where_an_address_names_no_array_or_two():
+    backend = FakeBackend()
+    q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
+    record, result = _record_forward(backend, q, q, v, FakeLaunch(), FakeLaunch())  # q is k
+    assert numba_replay.build_replay(backend, record, (q, q, v), result) is None
+    with numba_replay.recording() as record:
+        out = backend._new(q, (2,), "float32")
+        numba_replay.note_launch(FakeLaunch(), [q.ptr + 2, out.ptr])  # a view at an offset
+    assert numba_replay.build_replay(backend, record, (q, k, v), (out,)) is None
+    with numba_replay.recording() as record:  # nothing launched (the simulator)
+        out = backend._new(q, (2,), "float32")
+    assert numba_replay.build_replay(backend, record, (q, k, v), (out,)) is None
+
+
+def test_recordings_nest_and_end():
+    with numba_replay.recording() as outer:
+        numba_replay.note_launch("a", [])
+        with numba_replay.recording() as inner:
+            numba_replay.note_launch("b", [])
+        numba_replay.note_launch("c", [])
+    numba_replay.note_launch("d", [])
+    assert [p for p, _ in outer.launches] == ["a", "c"]
+    assert [p for p, _ in inner.launches] == ["b"]
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+def _device_inputs(cp, rng, shape, dtype):
+    batch, seqlen_q, seqlen_k, nheads, headdim = shape
+    return [cp.asarray(rng.standard_normal((batch, n, nheads, headdim)).astype(dtype))
+            for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q)]
+
+
+def _check_against_reference(cp, q, k, v, dout, out, lse, grads, causal, dtype):
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
+    base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+    assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
+    refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
+    bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, dtype)
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, headdim", [("float16", 64), ("float16", 72), ("float32", 64)],
+                         ids=["tensor-cores", "tensor-cores-padded", "simt"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_repeated_calls_replay_the_launches(cp, rng, poisoned_outputs, monkeypatch, dtype,
+                                            headdim, causal):
+    """The second and third calls of a signature run as replays (the backend's Python is not
+    entered), on fresh inputs, poisoned outputs: reference results, and bitwise the results of
+    the full path on the same inputs."""
+    from numba_flash.backends.numba_backend import NumbaBackend
+    shape = (2, 333, 517, 3, headdim)
+    q, k, v, dout = _device_inputs(cp, rng, shape, dtype)
+    out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+    numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend="numba")
+    for operation, arrays in (("forward", (q, k, v)), ("backward", (dout, q, k, v, out, lse))):
+        key = call_cache.signature(operation, "numba", causal, None, arrays)
+        assert isinstance(call_cache.get(key), numba_replay.Replay), operation
+    full_path = {"forward": NumbaBackend.forward, "backward": NumbaBackend.backward}
+    for _ in range(2):
+        q, k, v, dout = _device_inputs(cp, rng, shape, dtype)
+        for name in full_path:
+            monkeypatch.setattr(NumbaBackend, name, None)  # a replay never calls them
+        out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+        grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend="numba")
+        _check_against_reference(cp, q, k, v, dout, out, lse, grads, causal, dtype)
+        for name, method in full_path.items():
+            monkeypatch.setattr(NumbaBackend, name, method)
+        call_cache.clear()
+        again = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+        again += numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend="numba")
+        for replayed, full in zip((out, lse, *grads), again):
+            assert cp.array_equal(replayed, full, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_replays_follow_the_alignment_of_the_addresses(cp, rng):
+    """Views with the same strides, rows 16-byte aligned (read in place) or not (copied first):
+    two signatures, each replayed correctly."""
+    batch, seqlen, nheads, headdim = 1, 300, 2, 64
+    for _ in range(2):
+        for start in (0, 1, 0, 1):
+            packed = cp.asarray(rng.standard_normal((batch, seqlen, nheads, 3, headdim + 8)),
+                                cp.float16)
+            q, k, v = (packed[:, :, :, i, start:start + headdim] for i in range(3))
+            dout = cp.asarray(rng.standard_normal(q.shape), cp.float16)
+            out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+            grads = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend="numba")
+            _check_against_reference(cp, q, k, v, dout, out, lse, grads, True, "float16")
+    aligned = call_cache.signature("forward", "numba", True, None, (q, k, v))
+    assert isinstance(call_cache.get(aligned), numba_replay.Replay)
+
+
+@pytest.mark.gpu
+def test_aliased_inputs_replay_and_record(cp, rng):
+    """q, k, v the same array: replayed from a call on distinct arrays, and recorded (no
+    replay: its addresses are ambiguous; the full path runs every time)."""
+    shape = (1, 200, 200, 2, 64)
+    q, k, v, dout = _device_inputs(cp, rng, shape, "float16")
+    numba_flash.forward(q, k, v, backend="numba")
+    for _ in range(2):
+        x = cp.asarray(rng.standard_normal(q.shape), cp.float16)
+        out, lse = numba_flash.forward(x, x, x, backend="numba")
+        grads = numba_flash.backward(dout, x, x, x, out, lse, backend="numba")
+        _check_against_reference(cp, x, x, x, dout, out, lse, grads, False, "float16")
+        call_cache.clear()
+    numba_flash.forward(x, x, x, backend="numba")
+    replay = call_cache.get(call_cache.signature("forward", "numba", False, None, (x, x, x)))
+    assert isinstance(replay, functools.partial)
+
+
+@pytest.mark.gpu
+def test_torch_bfloat16_calls_replay(cp, rng):
+    """torch bfloat16 tensors (read through their addresses, no int16 views on a replay)."""
+    torch = pytest.importorskip("torch")
+    from numba_flash.testing import plain16_forward
+    for _ in range(3):
+        values = _device_inputs(cp, rng, (2, 257, 257, 2, 128), "float32")
+        q, k, v = (torch.from_dlpack(x).to(torch.bfloat16) for x in values[:3])
+        out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
+        assert out.dtype == torch.bfloat16
+        exact = [cp.from_dlpack(x.float()) for x in (q, k, v)]
+        ref_out, _ = attention_forward(cp, *exact, True, 128 ** -0.5, "float64")
+        base_out, _ = plain16_forward(cp, *exact, True, 128 ** -0.5, "bfloat16")
+        assert_within_rule("out", out.float().cpu().numpy(), base_out.get(), ref_out.get(),
+                           "bfloat16")
+    key = call_cache.signature("forward", "numba", True, None, (q, k, v))
+    assert isinstance(call_cache.get(key), numba_replay.Replay)
