@@ -2,7 +2,7 @@
 
 Two kernel families ("engines") serve them:
   - tensor cores (backends/numba_mma_*.py): float16 and bfloat16 on GPUs of compute capability
-    8.0 or newer, head dims up to 128 (padded to a multiple of 16);
+    8.0 or newer, head dims up to 256 (padded to a multiple of 16, of 32 above 128);
   - SIMT (backends/numba_simt_*.py): float32 and float16 on any GPU, bfloat16 on sm_80 and
     newer, head dims up to 256 (float32 arithmetic throughout).
 "numba" picks the first engine that can run a call, in that order; "numba-mma" and
@@ -46,11 +46,12 @@ def compute_capability(device_id):
 
 
 def mma_head_dim(head_dim):
-    """The head dim the tensor-core kernels run head_dim at (the next multiple of 16), or None
-    if neither the forward nor the backward has a config for it."""
-    padded = -(-head_dim // 16) * 16
-    if mma_forward_config(padded) and mma_backward_config(padded):
-        return padded
+    """The head dim the tensor-core kernels run head_dim at (the next multiple of 16 for which
+    the forward and the backward have a config: of 32 above 128, where the backward splits the
+    head dim in two), or None if there is none."""
+    for padded in range(-(-head_dim // 16) * 16, head_dim + 32, 16):
+        if mma_forward_config(padded) and mma_backward_config(padded):
+            return padded
     return None
 
 
@@ -107,7 +108,7 @@ class NumbaBackend(Backend):
         if dtype not in SIXTEEN_BIT:
             return f"the tensor-core kernels take float16 or bfloat16, not {dtype}"
         if mma_head_dim(head_dim) is None:
-            return f"the tensor-core kernels cover headdim <= 128, not {head_dim}"
+            return f"the tensor-core kernels cover headdim <= 256, not {head_dim}"
         if simulator_enabled():
             if not self.simulate_tensor_cores:
                 return ("under the CUDA simulator only backend 'numba-mma' runs the tensor-core "

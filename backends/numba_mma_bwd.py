@@ -14,6 +14,9 @@ P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved 
      straight into A fragments (dO and Q read with ldmatrix.trans).
   3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
      dS = P ∘ (dP − D), dQ += dS K.
+With MmaBackwardConfig.d_split = 2 (head dim 256, whose dK and dV accumulators would not fit
+in a warp's registers) each (key or query tile, head) gets two blocks, each accumulating and
+writing one half of the head dim's columns; both compute the whole Sᵀ and dPᵀ (or S and dP).
 Tiles live in dynamic shared memory. With MmaBackwardConfig.stages = 2 the loops of 2 and 3
 keep two buffers of the tile they stream (Q/dO with lse/D, or K/V) and load the next tile with
 cp.async while the current one is computed; with 1 stage they load, wait, then compute.
@@ -44,16 +47,24 @@ def mma_delta_kernel_function(head_dim, bf16):
                                  bf16_bits_to_float32 if bf16 else f16_bits_to_float32)
 
 
-@functools.lru_cache(maxsize=None)
-def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
-    """dK, dV for one tile of 16·warps keys, looping over query tiles of block_m. With stages
-    = 2 the Q, dO, lse and D of the next query tile load while this one is computed."""
+def _check_split(stages, head_dim, d_split):
     if stages not in (1, 2):
         raise ValueError(f"stages must be 1 or 2; got {stages}")
+    if d_split < 1 or head_dim % (16 * d_split):
+        raise ValueError(f"d_split must be >= 1 and divide head_dim into multiples of 16; got "
+                         f"{d_split} for head_dim {head_dim}")
+
+
+@functools.lru_cache(maxsize=None)
+def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, d_split=1):
+    """dK, dV for one tile of 16·warps keys, looping over query tiles of block_m. With stages
+    = 2 the Q, dO, lse and D of the next query tile load while this one is computed; with
+    d_split > 1 the block computes columns [part·D/d_split, (part + 1)·D/d_split) of dK, dV."""
+    _check_split(stages, head_dim, d_split)
     BLOCK_N, BLOCK_M, D, STAGES = 16 * warps, block_m, head_dim, stages
     THREADS = WARP * warps
     NQ = BLOCK_M // 8  # 8-query blocks of Sᵀ
-    DB = D // 8
+    DB = D // d_split // 8  # 8-column blocks of the dK, dV accumulators
     ROW = D + ROW_PAD  # halves per shared-memory row
     V_START = 2 * BLOCK_N * ROW  # where each tile starts in shared memory (bytes)
     Q_START = 2 * V_START
@@ -83,7 +94,8 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
         g = lane // 4
         t = lane % 4
         n0 = cuda.blockIdx.x * BLOCK_N
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.y // d_split
+        col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dK, dV column
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -121,7 +133,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
         # of Sᵀ and dPᵀ; Q and dO (stage 0) as their B, and as B of dK and dV (.trans).
         k_a, v_a = x4_address(k_tile, 16 * warp), x4_address(v_tile, 16 * warp)
         q_b, do_b = b_address(q_tiles, 0), b_address(do_tiles, 0)
-        q_t, do_t = x4_address(q_tiles, 0), x4_address(do_tiles, 0)
+        q_t, do_t = x4_address(q_tiles, 0) + 2 * col0, x4_address(do_tiles, 0) + 2 * col0
 
         stage = 0
         for m0 in range(m_begin, seqlen_q, BLOCK_M):
@@ -163,22 +175,22 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dK and dV.
-        store(dk, dk_acc, b, key_lo, h, seqlen_k, softmax_scale, softmax_scale)
-        store(dv, dv_acc, b, key_lo, h, seqlen_k, ONE, ONE)
+        store(dk, dk_acc, b, key_lo, h, col0, seqlen_k, softmax_scale, softmax_scale)
+        store(dv, dv_acc, b, key_lo, h, col0, seqlen_k, ONE, ONE)
 
     return flash_bwd_dk_dv_mma
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
+def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_split=1):
     """dQ for one tile of 16·warps queries, looping over key tiles of block_n. With stages = 2
-    the K and V of the next key tile load while this one is computed."""
-    if stages not in (1, 2):
-        raise ValueError(f"stages must be 1 or 2; got {stages}")
+    the K and V of the next key tile load while this one is computed; with d_split > 1 the
+    block computes columns [part·D/d_split, (part + 1)·D/d_split) of dQ."""
+    _check_split(stages, head_dim, d_split)
     BLOCK_M, BLOCK_N, D, STAGES = 16 * warps, block_n, head_dim, stages
     THREADS = WARP * warps
     NB = BLOCK_N // 8
-    DB = D // 8
+    DB = D // d_split // 8  # 8-column blocks of the dQ accumulator
     ROW = D + ROW_PAD
     DO_START = 2 * BLOCK_M * ROW  # bytes
     K_START = 2 * DO_START
@@ -201,7 +213,8 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
         g = lane // 4
         t = lane % 4
         m0 = query_tile(causal) * BLOCK_M
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.y // d_split
+        col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dQ column
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -240,7 +253,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
         # A of S and dP; K and V (stage 0) as their B, and K as B of dQ (.trans).
         q_a, do_a = x4_address(q_tile, 16 * warp), x4_address(do_tile, 16 * warp)
         k_b, v_b = b_address(k_tiles, 0), b_address(v_tiles, 0)
-        k_t = x4_address(k_tiles, 0)
+        k_t = x4_address(k_tiles, 0) + 2 * col0
 
         stage = 0
         for n0 in range(0, n_end, BLOCK_N):
@@ -280,16 +293,18 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dQ.
-        store(dq, dq_acc, b, row_lo, h, seqlen_q, softmax_scale, softmax_scale)
+        store(dq, dq_acc, b, row_lo, h, col0, seqlen_q, softmax_scale, softmax_scale)
 
     return flash_bwd_dq_mma
 
 
 @functools.lru_cache(maxsize=None)
-def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16, stages=1):
+def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16, stages=1, d_split=1):
     functions = (mma_delta_kernel_function(head_dim, bf16),
-                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages),
-                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages))
+                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages,
+                                           d_split),
+                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages,
+                                        d_split))
     return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
@@ -303,7 +318,8 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     seqlen_k = k.shape[1]
     config = config or mma_backward_config(head_dim)
     delta_kernel, dk_dv_kernel, dq_kernel = mma_backward_kernels(
-        config.block_m, config.block_n, config.warps, head_dim, causal, bf16, config.stages)
+        config.block_m, config.block_n, config.warps, head_dim, causal, bf16, config.stages,
+        config.d_split)
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     rows, threads = 16 * config.warps, WARP * config.warps
@@ -311,7 +327,8 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     check_shared_bytes(max(dk_dv_bytes, dq_bytes), f"{config} at head_dim {head_dim}")
     launch(delta_kernel, (-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream,
            0, dout, out, delta)
-    launch(dk_dv_kernel, (-(-seqlen_k // rows), nheads, batch), threads, stream, dk_dv_bytes,
-           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
-    launch(dq_kernel, (-(-seqlen_q // rows), nheads, batch), threads, stream, dq_bytes,
+    split_heads = nheads * config.d_split  # (head, part of the head dim) per blockIdx.y
+    launch(dk_dv_kernel, (-(-seqlen_k // rows), split_heads, batch), threads, stream,
+           dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+    launch(dq_kernel, (-(-seqlen_q // rows), split_heads, batch), threads, stream, dq_bytes,
            q, k, v, dout, lse, delta, dq, scale_log2, scale)

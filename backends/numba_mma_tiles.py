@@ -140,13 +140,13 @@ def make_warp_accumulate(bf16, kc_count, db_count, row_halves):
 
 @functools.lru_cache(maxsize=None)
 def make_warp_store(bf16, db_count):
-    """store(dst, acc, b, row_lo, h, nrows, scale_lo, scale_hi): the lane's parts of rows
-    row_lo and row_lo + 8 of dst[b, :, h, :] (16-bit) from an accumulator, times the row's
-    scale; rows at or past nrows are not written."""
+    """store(dst, acc, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
+    rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from an
+    accumulator, times the row's scale; rows at or past nrows are not written."""
     _, pack = _mma_and_pack(bf16)
 
     @cuda.jit(device=True, inline="always")
-    def store(dst, acc, b, row_lo, h, nrows, scale_lo, scale_hi):
+    def store(dst, acc, b, row_lo, h, col0, nrows, scale_lo, scale_hi):
         t = cuda.threadIdx.x % 4
         for half in range(2):
             row = row_lo + 8 * half
@@ -154,7 +154,7 @@ def make_warp_store(bf16, db_count):
             if row < nrows:
                 for db in range(db_count):
                     word = pack(acc[db, 2 * half] * scale, acc[db, 2 * half + 1] * scale)
-                    dst[b, row, h, 8 * db + 2 * t] = uint16(word & 0xFFFF)
-                    dst[b, row, h, 8 * db + 2 * t + 1] = uint16(word >> 16)
+                    dst[b, row, h, col0 + 8 * db + 2 * t] = uint16(word & 0xFFFF)
+                    dst[b, row, h, col0 + 8 * db + 2 * t + 1] = uint16(word >> 16)
 
     return store

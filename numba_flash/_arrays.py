@@ -116,6 +116,11 @@ def caller_stream_handle(x):
             return cupy.cuda.get_current_stream().ptr or 1
     if kind == TORCH:
         import torch
+        # The raw handle, without building a torch.cuda.Stream (microseconds per call); the
+        # public route where a torch build lacks it.
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw_stream is not None:
+            return raw_stream(x.device.index) or 1
         return torch.cuda.current_stream(x.device).cuda_stream or 1
     if kind == CUDA:  # the producer's stream, if the interface names one
         return x.__cuda_array_interface__.get("stream")

@@ -138,11 +138,14 @@ class MmaConfig:
 # against 215.8 for (32, 8, 2) and 205.1 for (64, 4, 1); again first on 2026-11-30 (233.7). d128
 # (2026-11-30, commit ad937c6, since the ldmatrix addresses): (32, 4, 2) 262.0 full and 211.0
 # causal, against 232.7 / 167.8 for (32, 8, 1) and 194.4 / 168.6 for (64, 8, 1), chosen before.
-# Head dims up to 64 use the d64 entry, up to 128 the d128 one; head dims that are not multiples
-# of 16 run padded.
+# Head dims up to 64 use the d64 entry, up to 128 the d128 one, up to 256 the d256 one; head
+# dims that are not multiples of 16 run padded. d256 (sixth session) is supported, not tuned:
+# one 16-row slice per warp, since its 16 x 256 output accumulator alone takes 128 registers
+# a lane, and 16-key tiles (254 registers, no spills; 32-key tiles spill).
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=32, warps=4, slices=2)),
     (128, MmaConfig(block_n=32, warps=4, slices=2)),
+    (256, MmaConfig(block_n=16, warps=4, slices=1)),
 )
 
 
@@ -160,12 +163,15 @@ def mma_forward_config(head_dim):
 class MmaBackwardConfig:
     """Tile shape of the tensor-core backward: `warps` warps of 16 rows (keys in dk/dv,
     queries in dq); dk/dv loops over query tiles of block_m, dq over key tiles of block_n.
-    With stages = 2 each loop loads its next tile into a second buffer while it computes."""
+    With stages = 2 each loop loads its next tile into a second buffer while it computes.
+    With d_split = 2 each tile gets two blocks, each accumulating half of the head dim's
+    columns (dK and dV of 16 keys x 256 columns would not fit in a warp's registers)."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int = 1
+    d_split: int = 1
 
 
 # Chosen the same way, N = 4096, float16, full (fifth session, commit 6586110, with the ldmatrix
@@ -179,6 +185,9 @@ class MmaBackwardConfig:
 _MMA_BACKWARD = (
     (64, MmaBackwardConfig(block_m=32, block_n=64, warps=4, stages=2)),
     (128, MmaBackwardConfig(block_m=32, block_n=32, warps=4, stages=2)),
+    # d256: supported, not tuned; split in two halves of the head dim, one stage (two would
+    # take more than MMA_SHARED_MEMORY_BYTES at 4 warps).
+    (256, MmaBackwardConfig(block_m=16, block_n=16, warps=4, stages=1, d_split=2)),
 )
 
 
@@ -193,5 +202,7 @@ def mma_backward_shared_bytes(config, head_dim):
 
 
 def mma_backward_config(head_dim):
-    """The tensor-core backward's config for head_dim, or None if it has none."""
-    return None if head_dim % 16 else _lookup(_MMA_BACKWARD, head_dim)
+    """The tensor-core backward's config for head_dim, or None if it has none (head_dim must
+    split into d_split parts of a multiple of 16 columns)."""
+    config = None if head_dim % 16 else _lookup(_MMA_BACKWARD, head_dim)
+    return None if config is None or head_dim % (16 * config.d_split) else config

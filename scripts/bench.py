@@ -4,8 +4,10 @@ Peers, measured in the same run on the same inputs: the cupy backend (standard a
 when torch is present torch SDPA with each of its backends (flash, cudnn, efficient, math).
 Convention (flash-attn's benchmarks): batch x seqlen = --tokens (16k) and nheads x headdim =
 2048. FLOPs: forward 4·B·H·Nq·Nk·D, halved for causal; backward 2.5x the forward.
-Timing: CUDA events around each call after warm-up, median of repeats, rotating over input sets
-so that repeats do not run out of L2. Peak extra memory: what the call takes beyond its inputs.
+Timing: CUDA events around each call after warm-up, median of repeats, the implementations
+taking turns call by call, rotating over input sets so that repeats do not run out of L2 (the
+GPU idles before each call: host time before the first launch counts, as for a caller waiting
+on the result). Peak extra memory: what the call takes beyond its inputs.
 
     python scripts/bench.py --dtypes float32 float16 --head-dims 64 128 --json $OUT/bench.json
 """
@@ -32,30 +34,33 @@ def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, passes):
 
 
 class Timer:
-    """Median milliseconds of fn(i) over repeats, by CUDA events on the current stream."""
+    """Median milliseconds of each fn(i), by CUDA events on the current stream. The
+    implementations take turns, one timed call each per round, so that a drift of the GPU's
+    clocks during a case reaches all of them alike."""
 
-    def __init__(self, cupy, target_ms=300.0, max_repeats=30):
+    def __init__(self, cupy, target_ms=600.0, max_repeats=60):
         self.cupy, self.target_ms, self.max_repeats = cupy, target_ms, max_repeats
 
-    def __call__(self, fn, n_inputs):
+    def _time(self, fn, i):
         cp = self.cupy
-        fn(0)  # warm-up: compilation, autotuning, allocator growth
-        cp.cuda.get_current_stream().synchronize()
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
-        fn(1 % n_inputs)
+        fn(i)
         stop.record()
         stop.synchronize()
-        first = cp.cuda.get_elapsed_time(start, stop)
+        return cp.cuda.get_elapsed_time(start, stop)
+
+    def __call__(self, fns, n_inputs):
+        """{name: median ms} for {name: fn}; each fn has run once already (the warm-up:
+        compilation, autotuning, allocator growth)."""
+        self.cupy.cuda.get_current_stream().synchronize()
+        first = sum(self._time(fn, 1 % n_inputs) for fn in fns.values())
         repeats = int(min(self.max_repeats, max(3, self.target_ms / max(first, 1e-3))))
-        times = []
+        times = {name: [] for name in fns}
         for i in range(repeats):
-            start.record()
-            fn(i % n_inputs)
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-        return statistics.median(times)
+            for name, fn in fns.items():
+                times[name].append(self._time(fn, i % n_inputs))
+        return {name: statistics.median(t) for name, t in times.items()}
 
 
 def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
@@ -131,6 +136,7 @@ def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causa
     q, k, v, _ = inputs[0]
     runners = make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype, backends,
                            sdpa_kinds)
+    ready = {}
     for name, fn in runners.items():
         if name in backends:
             reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
@@ -138,16 +144,17 @@ def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causa
                 row["results"][name] = {"skipped": reason}
                 continue
         try:
-            ms = timer(fn, n_inputs)
-            extra = peak_extra(cp, torch, lambda: fn(0))
+            fn(0)  # warm-up: compilation, autotuning, allocator growth
+            ready[name] = fn
         except Exception as exc:  # a peer that cannot run this case (e.g. OOM, unsupported)
             row["results"][name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
             if torch is not None:
                 torch.cuda.empty_cache()
             cp.get_default_memory_pool().free_all_blocks()
-            continue
-        row["results"][name] = {"ms": ms, "tflops": work / ms / 1e9, "peak_extra_mib":
-                                extra / 2**20}
+    for name, ms in timer(ready, n_inputs).items():
+        row["results"][name] = {"ms": ms, "tflops": work / ms / 1e9,
+                                "peak_extra_mib": peak_extra(cp, torch, lambda: ready[name](0))
+                                / 2**20}
     del inputs
     cp.get_default_memory_pool().free_all_blocks()
     if torch is not None:
@@ -237,8 +244,9 @@ def main(argv=None):
     print(f"GPU: {props['name'].decode()}; ratios are numba / peer", flush=True)
     timer = Timer(cp)
     rng = np.random.default_rng(0)
-    cases = [(p, d, h, n, c == "true") for p in args.passes for d in args.dtypes
-             for h in args.head_dims for c in args.causal for n in args.seqlens]
+    # dtypes innermost: the float16 and bfloat16 rows of a case run one after the other
+    cases = [(p, d, h, n, c == "true") for p in args.passes for h in args.head_dims
+             for c in args.causal for n in args.seqlens for d in args.dtypes]
     rows = []
     for index, (passes, dtype, headdim, seqlen, causal) in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {passes} {dtype} d{headdim} N{seqlen} "

@@ -113,12 +113,12 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
                 f3 = "float32[:, :, :]"
                 yield (f"mma_bwd_dk_dv_{tag}",
                        mma_dk_dv_kernel_function(bwd.block_m, bwd.warps, head_dim, causal, bf16,
-                                                 bwd.stages),
+                                                 bwd.stages, bwd.d_split),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)",
                        dk_dv_bytes)
                 yield (f"mma_bwd_dq_{tag}",
                        mma_dq_kernel_function(bwd.block_n, bwd.warps, head_dim, causal, bf16,
-                                              bwd.stages),
+                                              bwd.stages, bwd.d_split),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
 
 

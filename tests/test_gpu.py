@@ -56,11 +56,13 @@ def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype, backend):
         assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
 
 
-MMA_SHAPES = [  # head dims 24 and 40 run padded to 32 and 48
+MMA_SHAPES = [  # head dims 24, 40 and 200 run padded to 32, 48 and 224
     (2, 1024, 1024, 4, 64),
     (1, 777, 2049, 2, 128),
     (1, 2049, 777, 3, 24),
     (1, 300, 300, 2, 40),
+    (1, 333, 301, 2, 200),
+    (1, 513, 1025, 2, 256),
 ]
 
 

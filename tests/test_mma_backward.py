@@ -45,6 +45,23 @@ def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
     run_backward(rng, shape, causal, dtype, config)
 
 
+SPLIT_CASES = simulator_and_gpu_cases([(1, 21, 27, 2, 32)],
+                                      [(1, 300, 277, 2, 256), (2, 333, 725, 2, 64)])
+
+
+@pytest.mark.parametrize("causal, dtype", [(False, "bfloat16"), (True, "float16")])
+@pytest.mark.parametrize("mode, shape", SPLIT_CASES)
+def test_head_dim_split_backward_matches_reference(rng, mode, shape, causal, dtype):
+    """d_split = 2: two blocks per tile, each writing one half of the head dim's columns of
+    dK, dV (or dQ) from the whole Sᵀ, dPᵀ. Head dim 256 takes it by default; the others force
+    it (a column offset of the wrong block shows as half the columns wrong or unwritten)."""
+    if mode == "simulator":
+        config = MmaBackwardConfig(block_m=16, block_n=16, warps=1, d_split=2)
+    else:
+        config = dataclasses.replace(mma_backward_config(shape[-1]), d_split=2)
+    run_backward(rng, shape, causal, dtype, config)
+
+
 def test_two_stage_backward_with_unequal_tiles(rng):
     """block_m, block_n and the 16·warps rows of the fixed tiles all differ, so a buffer
     offset computed from the wrong one of them reads the wrong rows; 2 query tiles per key tile
@@ -59,7 +76,8 @@ def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():
     q = np.zeros((1, 16, 1, 256), np.uint16)
     lse = np.zeros((1, 1, 16), np.float32)
     with pytest.raises(ValueError, match=r"MmaBackwardConfig\(block_m=128, block_n=16, warps=8, "
-                                         r"stages=1\) at head_dim 256 needs 271360 bytes of "
+                                         r"stages=1, d_split=1\) at head_dim 256 needs 271360 "
+                                         r"bytes of "
                                          r"shared memory"):
         launch_mma_backward(q, q, q, q, q, lse, lse, q, q, q, False, 0.1, False,
                             config=MmaBackwardConfig(128, 16, 8))
@@ -69,3 +87,6 @@ def test_only_one_or_two_stages():
     from numba_flash.backends.numba_mma_bwd import mma_dq_kernel_function
     with pytest.raises(ValueError, match="stages must be 1 or 2; got 3"):
         mma_dq_kernel_function(16, 4, 64, False, False, 3)
+    with pytest.raises(ValueError, match="d_split must be >= 1 and divide head_dim into "
+                                         "multiples of 16; got 2 for head_dim 48"):
+        mma_dq_kernel_function(16, 4, 48, False, False, 1, 2)

@@ -9,7 +9,8 @@ from numba_flash.config import MmaConfig
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 32), (1, 5, 40, 1, 128)]
-GPU_SHAPES = [(2, 20, 45, 2, 64), (1, 70, 9, 2, 32), (1, 40, 80, 2, 128), (1, 33, 33, 2, 96)]
+GPU_SHAPES = [(2, 20, 45, 2, 64), (1, 70, 9, 2, 32), (1, 40, 80, 2, 128), (1, 33, 33, 2, 96),
+              (1, 20, 17, 2, 256)]
 
 
 CASES = simulator_and_gpu_cases(SHAPES, GPU_SHAPES)

@@ -36,12 +36,14 @@ def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
     numba = numba_flash.get_backend("numba")
     q16, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float16")
     q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float32")
-    wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")
+    d200, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")
+    wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 272, "float16")  # (beyond what the API takes)
     assert numba.engine(q16) == (MMA, None)
     assert numba.engine(q32) == (SIMT, None)  # float32: tensor cores are for 16-bit types
-    assert numba.engine(wide) == (SIMT, None)  # headdim 200: no tensor-core config
+    assert numba.engine(d200) == (MMA, None)
+    assert numba.engine(wide) == (SIMT, None)  # no tensor-core config
     engine, reason = numba_flash.get_backend("numba-mma").engine(wide)
-    assert engine is None and "headdim <= 128, not 200" in reason
+    assert engine is None and "headdim <= 256, not 272" in reason
 
 
 def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
@@ -57,11 +59,11 @@ def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
     assert "bfloat16 needs compute capability 8.0 or newer; this GPU has 7.5" in reason
 
 
-def test_bfloat16_with_head_dim_above_128_uses_simt_on_sm80(rng, on_a_gpu):
+def test_bfloat16_up_to_head_dim_256_uses_tensor_cores_on_sm80(rng, on_a_gpu):
     torch = pytest.importorskip("torch")
     on_a_gpu((8, 0))
-    q, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float32")
-    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
+    q, _, _ = random_qkv(rng, 1, 4, 4, 1, 256, "float32")
+    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (MMA, None)
 
 
 def test_numba_mma_refuses_float32_and_numba_simt_float64(rng):
@@ -74,7 +76,9 @@ def test_numba_mma_refuses_float32_and_numba_simt_float64(rng):
 
 def test_mma_head_dims():
     assert [mma_head_dim(d) for d in (1, 16, 24, 40, 80, 128)] == [16, 16, 32, 48, 80, 128]
-    assert mma_head_dim(129) is None and mma_head_dim(256) is None
+    # above 128 the backward splits the head dim in two halves of a multiple of 16 columns
+    assert [mma_head_dim(d) for d in (129, 144, 160, 200, 256)] == [160, 160, 160, 224, 256]
+    assert mma_head_dim(257) is None
 
 
 def test_is_tile_ready_wants_unit_stride_and_16_byte_aligned_rows(rng):

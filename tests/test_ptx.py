@@ -52,6 +52,8 @@ def test_every_kernel_compiled(reports):
         for dtype in ("float32", "bfloat16"):
             for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
                 assert (f"{kind}_d{head_dim}_causal_{dtype}", 90) in seen
+        for kind in ("mma_forward", "mma_bwd_dk_dv", "mma_bwd_dq"):
+            assert (f"{kind}_d{head_dim}_causal_bf16", 90) in seen
 
 
 def test_ptxas_accepted_every_kernel(reports):
