@@ -5,9 +5,9 @@ when torch is present torch SDPA with each of its backends (flash, cudnn, effici
 Convention (flash-attn's benchmarks): batch x seqlen = --tokens (16k) and nheads x headdim =
 2048. FLOPs: forward 4·B·H·Nq·Nk·D, halved for causal; backward 2.5x the forward.
 Timing: CUDA events around each call after warm-up, median of repeats, the implementations
-taking turns call by call, rotating over input sets so that repeats do not run out of L2 (the
-GPU idles before each call: host time before the first launch counts, as for a caller waiting
-on the result). Peak extra memory: what the call takes beyond its inputs.
+(and the dtypes) of a case taking turns call by call, rotating over input sets so that repeats
+do not run out of L2 (the GPU idles before each call: host time before the first launch counts,
+as for a caller waiting on the result). Peak extra memory: what the call takes beyond its inputs.
 
     python scripts/bench.py --dtypes float32 float16 --head-dims 64 128 --json $OUT/bench.json
 """
@@ -50,16 +50,16 @@ class Timer:
         stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop)
 
-    def __call__(self, fns, n_inputs):
-        """{name: median ms} for {name: fn}; each fn has run once already (the warm-up:
-        compilation, autotuning, allocator growth)."""
+    def __call__(self, fns):
+        """{name: median ms} for {name: fn}; fn(i) runs on input set i (rotating); each fn
+        has run once already (the warm-up: compilation, autotuning, allocator growth)."""
         self.cupy.cuda.get_current_stream().synchronize()
-        first = sum(self._time(fn, 1 % n_inputs) for fn in fns.values())
+        first = sum(self._time(fn, 1) for fn in fns.values())
         repeats = int(min(self.max_repeats, max(3, self.target_ms / max(first, 1e-3))))
         times = {name: [] for name in fns}
         for i in range(repeats):
             for name, fn in fns.items():
-                times[name].append(self._time(fn, i % n_inputs))
+                times[name].append(self._time(fn, i))
         return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -122,44 +122,58 @@ def random_inputs(cp, torch, rng, shape, dtype):
             for x in harness.random_inputs(cp, rng, *shape, "float32")]
 
 
-def bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen, causal, passes,
-               tokens, model_dim, backends=NUMBA_FLASH_BACKENDS, sdpa_kinds=SDPA_KINDS):
-    batch = max(1, tokens // seqlen)
-    nheads = max(1, model_dim // headdim)
-    shape = (batch, seqlen, seqlen, nheads, headdim)
+def warmed_runners(numba_flash, cp, torch, rng, dtype, shape, causal, passes, backends,
+                   sdpa_kinds):
+    """(row results so far, {name: fn(i)}): each implementation that can run the case, warmed
+    up; fn(i) runs on input set i modulo the sets made."""
+    batch, _, seqlen, nheads, headdim = shape
     one_set = 4 * batch * seqlen * nheads * headdim * ITEMSIZE[dtype]
     n_inputs = 1 if one_set > 120 * 2**20 else 3  # rotate when a set would stay in the 60 MB L2
     inputs = [random_inputs(cp, torch, rng, shape, dtype) for _ in range(n_inputs)]
-    work = flops(batch, nheads, seqlen, seqlen, headdim, causal, passes)
-    row = {"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
-           "nheads": nheads, "causal": causal, "passes": passes, "results": {}}
     q, k, v, _ = inputs[0]
-    runners = make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype, backends,
-                           sdpa_kinds)
-    ready = {}
-    for name, fn in runners.items():
+    results, ready = {}, {}
+    for name, fn in make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
+                                 backends, sdpa_kinds).items():
         if name in backends:
             reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
             if reason:
-                row["results"][name] = {"skipped": reason}
+                results[name] = {"skipped": reason}
                 continue
         try:
             fn(0)  # warm-up: compilation, autotuning, allocator growth
-            ready[name] = fn
+            ready[name] = lambda i, fn=fn: fn(i % n_inputs)
         except Exception as exc:  # a peer that cannot run this case (e.g. OOM, unsupported)
-            row["results"][name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            results[name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
             if torch is not None:
                 torch.cuda.empty_cache()
             cp.get_default_memory_pool().free_all_blocks()
-    for name, ms in timer(ready, n_inputs).items():
-        row["results"][name] = {"ms": ms, "tflops": work / ms / 1e9,
-                                "peak_extra_mib": peak_extra(cp, torch, lambda: ready[name](0))
-                                / 2**20}
-    del inputs
+    return results, ready
+
+
+def bench_case(numba_flash, cp, torch, timer, rng, dtypes, headdim, seqlen, causal, passes,
+               tokens, model_dim, backends=NUMBA_FLASH_BACKENDS, sdpa_kinds=SDPA_KINDS):
+    """One row per dtype; the implementations of every dtype take turns in one timing loop,
+    so that a case's dtypes are compared under the same clocks too."""
+    batch = max(1, tokens // seqlen)
+    nheads = max(1, model_dim // headdim)
+    shape = (batch, seqlen, seqlen, nheads, headdim)
+    work = flops(batch, nheads, seqlen, seqlen, headdim, causal, passes)
+    rows, ready = [], {}
+    for dtype in dtypes:
+        results, runners = warmed_runners(numba_flash, cp, torch, rng, dtype, shape, causal,
+                                          passes, backends, sdpa_kinds)
+        rows.append({"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
+                     "nheads": nheads, "causal": causal, "passes": passes, "results": results})
+        ready.update(((dtype, name), fn) for name, fn in runners.items())
+    for (dtype, name), ms in timer(ready).items():
+        extra = peak_extra(cp, torch, lambda: ready[dtype, name](0))
+        rows[dtypes.index(dtype)]["results"][name] = {"ms": ms, "tflops": work / ms / 1e9,
+                                                      "peak_extra_mib": extra / 2**20}
+    ready.clear()  # (the runners hold the inputs)
     cp.get_default_memory_pool().free_all_blocks()
     if torch is not None:
         torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def print_table(rows, baseline="numba"):
@@ -244,17 +258,17 @@ def main(argv=None):
     print(f"GPU: {props['name'].decode()}; ratios are numba / peer", flush=True)
     timer = Timer(cp)
     rng = np.random.default_rng(0)
-    # dtypes innermost: the float16 and bfloat16 rows of a case run one after the other
-    cases = [(p, d, h, n, c == "true") for p in args.passes for h in args.head_dims
-             for c in args.causal for n in args.seqlens for d in args.dtypes]
+    cases = [(p, h, n, c == "true") for p in args.passes for h in args.head_dims
+             for c in args.causal for n in args.seqlens]
     rows = []
-    for index, (passes, dtype, headdim, seqlen, causal) in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {passes} {dtype} d{headdim} N{seqlen} "
+    for index, (passes, headdim, seqlen, causal) in enumerate(cases, 1):
+        print(f"[{index}/{len(cases)}] {passes} d{headdim} N{seqlen} "
               f"{'causal' if causal else 'full'} ...", file=sys.stderr, flush=True)
-        rows.append(bench_case(numba_flash, cp, torch, timer, rng, dtype, headdim, seqlen,
+        case_rows = bench_case(numba_flash, cp, torch, timer, rng, args.dtypes, headdim, seqlen,
                                causal, passes, args.tokens, args.model_dim, args.backends,
-                               args.sdpa))
-        print_table(rows[-1:])  # each row as it is done, and the JSON so far: a run cut
+                               args.sdpa)
+        rows += case_rows
+        print_table(case_rows)  # each case as it is done, and the JSON so far: a run cut
         if args.json:           # short by a time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"gpu": props["name"].decode(), "rows": rows}, f, indent=1)
