@@ -63,6 +63,7 @@ MMA_SHAPES = [  # head dims 24, 40 and 200 run padded to 32, 48 and 224
     (1, 300, 300, 2, 40),
     (1, 333, 301, 2, 200),
     (1, 513, 1025, 2, 256),
+    (1, 16384, 16384, 2, 128),  # issue 3: within the rule at N up to 16k, backward included
 ]
 
 
