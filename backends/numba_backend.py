@@ -190,7 +190,8 @@ class NumbaBackend(Backend):
         with numba_replay.recording() as record:
             result, fallback = super().backward_and_replay(*inputs, causal=causal,
                                                            softmax_scale=softmax_scale)
-        return result, numba_replay.build_replay(self, record, inputs, result) or fallback
+        return result, (numba_replay.build_replay(self, record, inputs, result, ref=1)  # q
+                        or fallback)
 
     def forward(self, q, k, v, *, causal, softmax_scale):
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)

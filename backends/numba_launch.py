@@ -251,6 +251,9 @@ def _driver():
 
 
 _prepared = {}
+#: prepared launches kept for the slow path (replays hold their own); past this the oldest goes,
+#: so that a loop whose shapes keep changing (a growing KV length) does not grow memory
+MAX_PREPARED = 1024
 
 
 def _signature(arg):
@@ -284,6 +287,8 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
     prepared = PreparedLaunch(compiled.handle, grid, block, shared_bytes, parameters,
                               pointer_slots)
     with _lock:
+        if len(_prepared) >= MAX_PREPARED:
+            del _prepared[next(iter(_prepared))]
         return _prepared.setdefault(key, prepared)
 
 

@@ -317,6 +317,9 @@ def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, soft
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     config = config or mma_backward_config(head_dim)
+    if config is None:
+        raise ValueError(f"no tensor-core backward config for head_dim {head_dim} (the backend "
+                         f"pads it: numba_backend.mma_head_dim)")
     delta_kernel, dk_dv_kernel, dq_kernel = mma_backward_kernels(
         config.block_m, config.block_n, config.warps, head_dim, causal, bf16, config.stages,
         config.d_split)

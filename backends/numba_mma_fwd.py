@@ -271,6 +271,9 @@ def launch_mma_forward(q, k, v, out, lse, causal, softmax_scale, bf16, stream=0,
     check_rows_contiguous(q=q, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     config = config or mma_forward_config(head_dim)
+    if config is None:
+        raise ValueError(f"no tensor-core forward config for head_dim {head_dim} (the backend "
+                         f"pads it: numba_backend.mma_head_dim)")
     kernel = mma_forward_kernel(config.block_n, config.warps, head_dim, causal, bf16,
                                 config.slices)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)

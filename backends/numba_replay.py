@@ -50,17 +50,18 @@ def note_launch(prepared, pointers):
 
 class Replay:
     """Calling it with the call's arrays (inputs) returns what the recorded call returned,
-    freshly allocated and computed: `backend._new` allocates (looked up per call, so a test
-    that patches it still sees every allocation), `backend._stream` names the stream and
-    `backend._on_device` makes the arrays' GPU current, as in the recorded call."""
-    __slots__ = ("backend", "allocations", "launches", "results")
+    freshly allocated and computed. As in the recorded call, the input at position `ref` (q)
+    decides the library of the allocations (`backend._new`, looked up per call, so a test that
+    patches it still sees every allocation), the stream (`backend._stream`) and the GPU made
+    current (`backend._on_device`)."""
+    __slots__ = ("backend", "allocations", "launches", "results", "ref")
 
-    def __init__(self, backend, allocations, launches, results):
+    def __init__(self, backend, allocations, launches, results, ref):
         self.backend, self.allocations = backend, allocations
-        self.launches, self.results = launches, results
+        self.launches, self.results, self.ref = launches, results, ref
 
     def __call__(self, *inputs):
-        backend, ref = self.backend, inputs[0]
+        backend, ref = self.backend, inputs[self.ref]
         with backend._on_device(ref):
             arrays = list(inputs)
             arrays += [backend._new(ref, shape, dtype) for shape, dtype in self.allocations]
@@ -71,10 +72,11 @@ class Replay:
         return tuple(arrays[i] for i in self.results)
 
 
-def build_replay(backend, record, inputs, results):
-    """A Replay of `record`, made by a call of `backend` on `inputs` that returned `results`;
-    None where an address does not name exactly one array (inputs that alias, scratch freed
-    within the call, a view at an offset): such calls take the full path every time."""
+def build_replay(backend, record, inputs, results, ref=0):
+    """A Replay of `record`, made by a call of `backend` on `inputs` that returned `results`,
+    with inputs[ref] the array the backend allocated like and took the stream of; None where
+    an address does not name exactly one array (inputs that alias, scratch freed within the
+    call, a view at an offset): such calls take the full path every time."""
     arrays = list(inputs) + [array for _, _, array in record.allocations]
     pointers = [_arrays.data_pointer(x) for x in arrays]
     role_of = {pointer: role for role, pointer in enumerate(pointers)}
@@ -88,4 +90,4 @@ def build_replay(backend, record, inputs, results):
     except (KeyError, StopIteration):
         return None
     allocations = tuple((shape, dtype) for shape, dtype, _ in record.allocations)
-    return Replay(backend, allocations, launches, result_roles)
+    return Replay(backend, allocations, launches, result_roles, ref)

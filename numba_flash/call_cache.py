@@ -14,22 +14,26 @@ tensors have signatures; other calls always take the full path. A signature that
 is never stored, so bad input always meets its error.
 """
 import threading
+from collections import OrderedDict
 
 from numba_flash import registry
 
-#: signatures kept; past this the oldest goes (a loop uses a handful)
+#: signatures kept; past this the least recently used goes (a loop uses a handful)
 MAX_ENTRIES = 256
 
-_replays = {}
+_replays = OrderedDict()
 _lock = threading.Lock()
 
 
 def _array_signature(x):
     module = type(x).__module__ or ""
-    if module.startswith("cupy"):
-        return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
-    if module.startswith("torch") and x.is_cuda:
-        return type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
+    try:
+        if module.startswith("cupy"):
+            return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
+        if module.startswith("torch") and x.is_cuda:
+            return type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
+    except (AttributeError, RuntimeError, TypeError):  # not a dense array: the checks say so
+        return None
     return None
 
 
@@ -49,7 +53,13 @@ def signature(operation, backend, causal, softmax_scale, arrays):
 
 def get(key):
     """The replay stored under `key`, or None."""
-    return None if key is None else _replays.get(key)
+    replay = None if key is None else _replays.get(key)
+    if replay is not None:
+        try:
+            _replays.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+    return replay
 
 
 def put(key, replay):
@@ -57,7 +67,7 @@ def put(key, replay):
         return
     with _lock:
         if len(_replays) >= MAX_ENTRIES:
-            del _replays[next(iter(_replays))]
+            _replays.popitem(last=False)
         _replays[key] = replay
 
 

@@ -141,7 +141,8 @@ class MmaConfig:
 # Head dims up to 64 use the d64 entry, up to 128 the d128 one, up to 256 the d256 one; head
 # dims that are not multiples of 16 run padded. d256 (sixth session) is supported, not tuned:
 # one 16-row slice per warp, since its 16 x 256 output accumulator alone takes 128 registers
-# a lane, and 16-key tiles (254 registers, no spills; 32-key tiles spill).
+# a lane, and 16-key tiles (254 registers, no spills; 32-key tiles spill on sm_90:
+# docs/ptx_d256_2026-11-30.log).
 _MMA_FORWARD = (
     (64, MmaConfig(block_n=32, warps=4, slices=2)),
     (128, MmaConfig(block_n=32, warps=4, slices=2)),

@@ -51,16 +51,27 @@ class Timer:
         return cp.cuda.get_elapsed_time(start, stop)
 
     def __call__(self, fns):
-        """{name: median ms} for {name: fn}; fn(i) runs on input set i (rotating); each fn
-        has run once already (the warm-up: compilation, autotuning, allocator growth)."""
+        """{name: median ms, or the exception it raised} for {name: fn}; fn(i) runs on input
+        set i (rotating); each fn has run once already (the warm-up: compilation, autotuning,
+        allocator growth). An fn that raises leaves the rounds; the others go on."""
         self.cupy.cuda.get_current_stream().synchronize()
-        first = sum(self._time(fn, 1) for fn in fns.values())
+        times, failed = {name: [] for name in fns}, {}
+
+        def run(name, i):
+            try:
+                times[name].append(self._time(fns[name], i))
+            except Exception as exc:  # e.g. out of memory with every dtype's inputs alive
+                failed[name] = exc
+                del times[name]
+
+        for name in fns:
+            run(name, 1)
+        first = sum(t[0] for t in times.values())
         repeats = int(min(self.max_repeats, max(3, self.target_ms / max(first, 1e-3))))
-        times = {name: [] for name in fns}
         for i in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(self._time(fn, i))
-        return {name: statistics.median(t) for name, t in times.items()}
+            for name in list(times):
+                run(name, i)
+        return {**{name: statistics.median(t) for name, t in times.items()}, **failed}
 
 
 def make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
@@ -165,10 +176,17 @@ def bench_case(numba_flash, cp, torch, timer, rng, dtypes, headdim, seqlen, caus
         rows.append({"dtype": dtype, "headdim": headdim, "seqlen": seqlen, "batch": batch,
                      "nheads": nheads, "causal": causal, "passes": passes, "results": results})
         ready.update(((dtype, name), fn) for name, fn in runners.items())
+    del runners
     for (dtype, name), ms in timer(ready).items():
-        extra = peak_extra(cp, torch, lambda: ready[dtype, name](0))
-        rows[dtypes.index(dtype)]["results"][name] = {"ms": ms, "tflops": work / ms / 1e9,
-                                                      "peak_extra_mib": extra / 2**20}
+        results = rows[dtypes.index(dtype)]["results"]
+        try:
+            if isinstance(ms, Exception):
+                raise ms
+            extra = peak_extra(cp, torch, lambda: ready[dtype, name](0))
+        except Exception as exc:
+            results[name] = {"skipped": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            continue
+        results[name] = {"ms": ms, "tflops": work / ms / 1e9, "peak_extra_mib": extra / 2**20}
     ready.clear()  # (the runners hold the inputs)
     cp.get_default_memory_pool().free_all_blocks()
     if torch is not None:

@@ -29,6 +29,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_call_cache():
+    """Each test starts with no replayed signature (numba_flash/call_cache.py), so whether a
+    call runs the full path or a replay does not depend on the tests run before it."""
+    from numba_flash import call_cache
+    call_cache.clear()
+    yield
+    call_cache.clear()
+
+
 @pytest.fixture
 def rng():
     """A fresh random generator per test; its seed is printed so a failure can be replayed."""

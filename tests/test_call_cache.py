@@ -17,13 +17,6 @@ from numba_flash.backends import numba_launch, numba_replay
 from numba_flash.standard_attention import attention_backward, attention_forward
 
 
-@pytest.fixture(autouse=True)
-def empty_cache():
-    call_cache.clear()
-    yield
-    call_cache.clear()
-
-
 def _numpy_signature(x):
     """Signatures for NumPy arrays too, so the API's cache can be exercised without a GPU."""
     return type(x), x.shape, x.strides, x.dtype, "host", x.ctypes.data % 16 == 0
@@ -161,6 +154,20 @@ def test_a_replay_launches_on_the_new_calls_addresses():
     assert first.calls[-1][1][:3] == [q2.ptr, q2.ptr, v2.ptr]
 
 
+def test_a_replay_takes_device_and_stream_from_its_reference_input():
+    """A backward's reference is q (its second input), as in NumbaBackend.backward: dout may
+    come from another library, whose stream is not the caller's."""
+    backend = FakeBackend()
+    dout, q = FakeDeviceArray(), FakeDeviceArray()
+    with numba_replay.recording() as record:
+        grad = backend._new(q, (2,), "float16")
+        numba_replay.note_launch(FakeLaunch(), [dout.ptr, q.ptr, grad.ptr])
+    replay = numba_replay.build_replay(backend, record, (dout, q), (grad,), ref=1)
+    new_dout, new_q = FakeDeviceArray(), FakeDeviceArray()
+    replay(new_dout, new_q)
+    assert backend.devices == [new_q]
+
+
 def test_no_replay_where_an_address_names_no_array_or_two():
     backend = FakeBackend()
     q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
@@ -256,6 +263,45 @@ def test_replays_follow_the_alignment_of_the_addresses(cp, rng):
             _check_against_reference(cp, q, k, v, dout, out, lse, grads, True, "float16")
     aligned = call_cache.signature("forward", "numba", True, None, (q, k, v))
     assert isinstance(call_cache.get(aligned), numba_replay.Replay)
+
+
+@pytest.mark.gpu
+def test_a_replay_runs_on_the_stream_current_at_its_call(cp, rng, launch_streams):
+    shape = (1, 300, 300, 2, 64)
+    q, k, v, _ = _device_inputs(cp, rng, shape, "float16")
+    first, _ = numba_flash.forward(q, k, v, backend="numba")  # recorded on the default stream
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        q2 = q * 2  # queued on `stream`: the replay must run after it
+        out, _ = numba_flash.forward(q2, k, v, backend="numba")
+        later = out * 1
+    stream.synchronize()
+    assert launch_streams[-1] == stream.ptr
+    ref, _ = attention_forward(cp, q2, k, v, False, 64 ** -0.5, "float64")
+    assert float(cp.abs(later.astype(cp.float64) - ref).max()) < 1e-3
+
+
+@pytest.mark.gpu
+def test_a_replayed_backward_follows_q_not_dout(cp, rng, launch_streams):
+    """dout from CuPy, the rest torch tensors on a torch side stream: the replay launches on
+    torch's stream and returns torch tensors, as the full path does."""
+    torch = pytest.importorskip("torch")
+    values = _device_inputs(cp, rng, (1, 300, 300, 2, 64), "float16")
+    q, k, v = (torch.from_dlpack(x) for x in values[:3])
+    dout = values[3]
+    out, lse = numba_flash.forward(q, k, v, backend="numba")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grads = [numba_flash.backward(dout, q, k, v, out, lse, backend="numba")
+                 for _ in range(2)]  # the full path, then a replay
+    stream.synchronize()
+    key = call_cache.signature("backward", "numba", False, None, (dout, q, k, v, out, lse))
+    assert isinstance(call_cache.get(key), numba_replay.Replay)
+    assert launch_streams[-6:] == [stream.cuda_stream] * 6
+    assert all(isinstance(g, torch.Tensor) for g in grads[1])
+    for full, replayed in zip(*grads):
+        assert torch.equal(full, replayed)
 
 
 @pytest.mark.gpu
