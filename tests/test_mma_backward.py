@@ -28,6 +28,13 @@ def test_mma_backward_matches_reference(rng, mode, shape, causal, dtype):
     run_backward(rng, shape, causal, dtype, config)
 
 
+def _config(mode, shape, simulator_config, **gpu_changes):
+    """The simulator's small config, or on the GPU the head dim's own with `gpu_changes`."""
+    if mode == "simulator":
+        return simulator_config
+    return dataclasses.replace(mma_backward_config(shape[-1]), **gpu_changes)
+
+
 PIPELINED_CASES = simulator_and_gpu_cases([(1, 53, 41, 1, 16)],
                                           [(2, 333, 725, 2, 64), (1, 725, 333, 2, 128)])
 
@@ -38,10 +45,8 @@ def test_two_stage_backward_matches_reference(rng, mode, shape, causal, dtype):
     """stages = 2: each loop loads its next tile into the other buffer while it computes.
     The simulator's 16-row tiles give 4 query tiles per key tile and 3 key tiles per query
     tile, so both buffers are used and refilled; the GPU runs the default tiles."""
-    if mode == "simulator":
-        config = MmaBackwardConfig(block_m=16, block_n=16, warps=1, stages=2)
-    else:
-        config = dataclasses.replace(mma_backward_config(shape[-1]), stages=2)
+    config = _config(mode, shape, MmaBackwardConfig(block_m=16, block_n=16, warps=1, stages=2),
+                     stages=2)
     run_backward(rng, shape, causal, dtype, config)
 
 
@@ -55,10 +60,8 @@ def test_head_dim_split_backward_matches_reference(rng, mode, shape, causal, dty
     """d_split = 2: two blocks per tile, each writing one half of the head dim's columns of
     dK, dV (or dQ) from the whole Sᵀ, dPᵀ. Head dim 256 takes it by default; the others force
     it (a column offset of the wrong block shows as half the columns wrong or unwritten)."""
-    if mode == "simulator":
-        config = MmaBackwardConfig(block_m=16, block_n=16, warps=1, d_split=2)
-    else:
-        config = dataclasses.replace(mma_backward_config(shape[-1]), d_split=2)
+    config = _config(mode, shape, MmaBackwardConfig(block_m=16, block_n=16, warps=1, d_split=2),
+                     d_split=2)
     run_backward(rng, shape, causal, dtype, config)
 
 
