@@ -21,7 +21,7 @@ import numpy as np
 
 from numba_flash import _arrays
 from numba_flash.backend_base import Backend
-from numba_flash.config import mma_backward_config, mma_forward_config
+from numba_flash.config import SHARED_MEMORY_BYTES, mma_backward_config, mma_forward_config
 
 from . import numba_replay
 from .numba_launch import DeviceView, device_view, on_device
@@ -45,6 +45,14 @@ def compute_capability(device_id):
         return tuple(cuda.get_current_device().compute_capability)
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_id):
+    """The most shared memory a block may take on this GPU (opting in above 48 KiB)."""
+    from numba import cuda
+    with cuda.gpus[device_id]:
+        return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
 def mma_head_dim(head_dim):
     """The head dim the tensor-core kernels run head_dim at (the next multiple of 16 for which
     the forward and the backward have a config: of 32 above 128, where the backward splits the
@@ -56,9 +64,10 @@ def mma_head_dim(head_dim):
 
 
 def is_tile_ready(view, head_dim):
-    """True if the tensor-core kernels can read this 16-bit view directly: head_dim columns,
-    unit stride along them and every row starting 16-byte aligned (cp.async copies 16 B)."""
-    if int(view.shape[3]) != head_dim or int(view.strides[3]) != 2:
+    """True if cp.async can copy this view's rows (the tensor-core kernels' 16-bit views, the
+    SIMT forward's float32 ones): head_dim columns, unit stride along them and every row
+    starting 16-byte aligned (cp.async copies 16 B)."""
+    if int(view.shape[3]) != head_dim or int(view.strides[3]) != view.dtype.itemsize:
         return False
     pointer = view.ptr if isinstance(view, DeviceView) else view.ctypes.data
     return pointer % 16 == 0 and all(int(s) % 16 == 0 for s in view.strides[:3])
@@ -206,10 +215,7 @@ class NumbaBackend(Backend):
             if engine == MMA:
                 self._mma_forward(q, k, v, out, lse, causal, softmax_scale, stream)
             else:
-                from .numba_simt_fwd import launch_forward
-                bf16 = dtype == "bfloat16"  # passed as bit patterns
-                views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
-                launch_forward(*views, causal, softmax_scale, stream, bf16=bf16)
+                self._simt_forward(q, k, v, out, lse, causal, softmax_scale, stream)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
@@ -233,6 +239,29 @@ class NumbaBackend(Backend):
                          + [self._view(g, bf16) for g in grads])
                 launch_backward(*views, causal, softmax_scale, stream, bf16=bf16)
         return tuple(grads)
+
+    # -- the SIMT engine ------------------------------------------------------------------------
+
+    def _simt_forward(self, q, k, v, out, lse, causal, softmax_scale, stream):
+        """The SIMT forward; float32 inputs it can copy with cp.async (sm_80 and newer, rows of
+        a multiple of 4 floats, 16-byte aligned) are read that way, the rest element by
+        element. Its tiles are sized to the GPU's shared memory per block (48 KiB under the
+        simulator, to keep CI's simulated tiles small)."""
+        from .numba_simt_fwd import launch_forward
+        dtype = _arrays.dtype_name(q)
+        bf16 = dtype == "bfloat16"  # passed as bit patterns
+        views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
+        head_dim = int(q.shape[3])
+        if simulator_enabled():
+            async_capable, shared_limit = True, SHARED_MEMORY_BYTES
+        else:
+            device = _arrays.device_id(q)
+            async_capable = compute_capability(device) >= TENSOR_CORE_CC
+            shared_limit = shared_memory_limit(device)
+        async_copy = (async_capable and dtype == "float32" and head_dim % 4 == 0
+                      and all(is_tile_ready(view, head_dim) for view in views[:3]))
+        launch_forward(*views, causal, softmax_scale, stream, bf16=bf16, async_copy=async_copy,
+                       shared_limit=shared_limit)
 
     # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
 

@@ -1,13 +1,26 @@
 """FlashAttention forward pass, SIMT (CUDA cores, float32 arithmetic), as a Numba kernel.
 
-One thread block per (query tile of BLOCK_M rows, head, batch). The Q tile stays in shared
-memory; K and V tiles of BLOCK_N keys stream through one shared buffer. Each thread holds a
-register tile of the scores S and of the output accumulator `acc`. Per query row the block keeps
-the running max `m_i` and running sum `l_i` (online softmax); when the max grows, `acc` and `l_i`
-are rescaled by exp(m_old - m_new). Scores are kept in log2 units (Q is pre-scaled by
-softmax_scale·log2(e)) so that every exponential is one exp2. The output tile and the row
-log-sum-exp are written once, at the end. Causal: key tiles wholly in the future are never
-visited and only tiles that cross the diagonal (or the ragged end of K) are masked.
+One block of `warps` warps per (query tile of BLOCK_M rows, head, batch). Each warp owns
+4·TM rows of the tile; its lanes form 4 row groups x 8 column groups, so thread (ty, tx) holds
+a TM x TN register tile of the scores S (rows ty + 4·i, keys tx + 8·j) and a TM x D/8 tile of
+the output accumulator `acc` (columns in 4-wide chunks (8·c + tx)·4 + e). A row's 8 lanes are
+in one warp: the row max and row sum are combined with shuffles, not through shared memory.
+
+The Q tile, one K tile, one V tile and the P tile live in dynamic shared memory (so that the
+tiles can be larger than 48 KiB allows). Per key tile of BLOCK_N keys the block meets twice:
+  - barrier 1: K_j is complete; everyone has finished P·V of the previous tile, so V_j's
+    load starts now and runs while the scores S = Q K_jᵀ and the softmax are computed;
+  - barrier 2: V_j and P are complete; everyone has finished reading K_j, so K_{j+1}'s load
+    starts now and runs while acc += P V_j is computed.
+For float32 inputs whose rows are 16-byte aligned the loads are cp.async copies (sm_80 and
+newer); otherwise each thread loads, converts (float16, bfloat16) and stores elements, which
+then complete before the barrier that follows.
+
+Online softmax: per query row the running max `m_i` and running sum `l_i`; when the max grows,
+`acc` and `l_i` are rescaled by exp(m_old - m_new). Scores are scaled by softmax_scale·log2(e)
+so that every exponential is one exp2. The output tile and the row log-sum-exp are written
+once, at the end. Causal: key tiles wholly in the future are never visited and only tiles that
+cross the diagonal (or the ragged end of K) are masked.
 """
 import functools
 import math
@@ -15,41 +28,90 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_flash.config import simt_forward_config
-from numba_flash.intrinsics import SHARED_ALIGN, exp2
+from numba_flash.config import (SHARED_MEMORY_BYTES, simt_forward_config,
+                                simt_forward_shared_bytes)
+from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
+                                    shared_tile, shfl_xor)
 
 from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
 from .numba_launch import launch
-from .numba_tiles import make_load_tile, make_tile_accumulate, make_tile_dot, row_stride
+from .numba_mma_tiles import make_cp_async_loader
+from .numba_tiles import make_chunked_accumulate, make_load_tile, make_tile_dot
+
+LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel_function(config, head_dim, causal, bf16=False):
-    """The plain Python kernel for one (tile config, head_dim, causal, dtype); see
-    forward_kernel. With bf16, q, k, v and out hold bfloat16 bit patterns."""
-    BLOCK_M, BLOCK_N = config.block_m, config.block_n
-    TX, TY = config.threads_x, config.threads_y
-    D_PAD = config.padded_head_dim(head_dim)
-    TM = BLOCK_M // TY  # query rows per thread
-    TN = BLOCK_N // TX  # score columns per thread
-    TD = D_PAD // TX  # output columns per thread (contiguous)
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
-    load_kv_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
+def _tile_loader(rows, head_dim, loaded_cols, threads, bf16, async_copy):
+    """load(tile, src, b, row0, h, nrows): tile[r, d] = src[b, row0 + r, h, d] for r < rows and
+    d < loaded_cols, zero for rows at or past nrows and columns at or past head_dim. With
+    async_copy, by cp.async (complete after cp_async_wait); else by plain loads and stores."""
+    if async_copy:
+        copy = make_cp_async_loader(head_dim, threads, itemsize=4)
+
+        @cuda.jit(device=True, inline="always")
+        def load(tile, src, b, row0, h, nrows):
+            copy(tile, 0, src, b, row0, h, nrows, rows)
+    else:
+        fill = make_load_tile(rows, head_dim, loaded_cols, threads, bf16)
+
+        @cuda.jit(device=True, inline="always")
+        def load(tile, src, b, row0, h, nrows):
+            fill(tile, src, b, row0, h, nrows, ONE)
+    return load
+
+
+@cuda.jit(device=True, inline="always")
+def _commit_copies():
+    cp_async_commit()
+
+
+@cuda.jit(device=True, inline="always")
+def _wait_copies():
+    cp_async_wait(0)
+
+
+@cuda.jit(device=True, inline="always")
+def _nothing():
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=False):
+    """The plain Python kernel for one (tile config, head_dim, causal, dtype, load kind); see
+    forward_kernel. With bf16, q, k, v and out hold bfloat16 bit patterns. With async_copy, q,
+    k and v must be float32 with rows of head_dim (a multiple of 4) contiguous, 16-byte
+    aligned floats."""
+    if async_copy and (bf16 or head_dim % 4):
+        raise ValueError(f"cp.async loads take float32 rows of a multiple of 4 floats; got "
+                         f"head_dim {head_dim}{' in bfloat16' if bf16 else ''}")
+    TM, TN = config.rows_per_thread, config.keys_per_thread
+    BLOCK_M, BLOCK_N, THREADS = config.block_m, config.block_n, config.threads
+    D_PAD = config.padded_head_dim(head_dim)  # columns of the output register tiles
+    D4 = -(-head_dim // 4) * 4  # columns the products read: whole 16-byte vectors
+    CHUNKS = D_PAD // (4 * LANE_COLS)  # 4-wide output column chunks per thread
+    ROW = D_PAD + 4  # floats per Q/K/V row: 8 lanes reading 8 rows hit 32 distinct banks
+    P_ROW = BLOCK_N + 8  # floats per P row: the 4 row groups' stores hit 32 distinct banks
+    K_START = 4 * BLOCK_M * ROW  # byte offsets of the tiles in dynamic shared memory
+    V_START = K_START + 4 * BLOCK_N * ROW
+    P_START = V_START + 4 * BLOCK_N * ROW
+    V_PAD = D_PAD - D4  # V columns that P·V reads but no load writes
+    V_PAD_DIV = max(V_PAD, 1)
+    load_q_tile = _tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
+    load_kv_tile = _tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
+    commit_loads = _commit_copies if async_copy else _nothing
+    wait_loads = _wait_copies if async_copy else _nothing
+    tile_scores = make_tile_dot(TM, TN, LANE_ROWS, LANE_COLS, D4)
+    accumulate_pv = make_chunked_accumulate(TM, CHUNKS, LANE_ROWS, LANE_COLS, BLOCK_N)
     encode = float32_to_bf16_bits if bf16 else unchanged
-    tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
-    accumulate_pv = make_tile_accumulate(TM, TD, TY, BLOCK_N)
-    # Shared-array shapes must be compile-time tuples.
-    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
-    KV_SHAPE = (BLOCK_N, row_stride(D_PAD))
-    P_SHAPE = (BLOCK_M, BLOCK_N + TX)  # +TX: the threads' scalar stores of P avoid bank conflicts
-    PARTIAL_SHAPE = (BLOCK_M, TX)
     S_SHAPE = (TM, TN)
-    ACC_SHAPE = (TM, TD)
+    ACC_SHAPE = (TM, 4 * CHUNKS)
 
     def flash_forward(q, k, v, out, lse, scale_log2):
-        tx = cuda.threadIdx.x % TX
-        ty = cuda.threadIdx.x // TX
+        lane = cuda.threadIdx.x % 32
+        tx = lane % LANE_COLS
+        ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
         m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -57,91 +119,97 @@ def forward_kernel_function(config, head_dim, causal, bf16=False):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
 
-        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
-        kv_tile = cuda.shared.array(KV_SHAPE, float32, SHARED_ALIGN)
-        p_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
-        row_partial = cuda.shared.array(PARTIAL_SHAPE, float32)
+        smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
+        q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
+        k_tile = shared_tile(smem, K_START, BLOCK_N, ROW, float32)
+        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, float32)
+        p_tile = shared_tile(smem, P_START, BLOCK_M, P_ROW, float32)
 
         s = cuda.local.array(S_SHAPE, float32)
         acc = cuda.local.array(ACC_SHAPE, float32)
-        m_i = cuda.local.array(TM, float32)
-        l_i = cuda.local.array(TM, float32)  # this thread's share of the row sum
+        m_i = cuda.local.array(TM, float32)  # running row max (log2 units)
+        l_i = cuda.local.array(TM, float32)  # this thread's share of the running row sum
         for i in range(TM):
             m_i[i] = NEG_INF
             l_i[i] = ZERO
-            for jd in range(TD):
-                acc[i, jd] = ZERO
+            for c in range(4 * CHUNKS):
+                acc[i, c] = ZERO
+        for idx in range(cuda.threadIdx.x, BLOCK_N * V_PAD, THREADS):
+            v_tile[idx // V_PAD_DIV, D4 + idx % V_PAD_DIV] = ZERO
 
-        # Load: the Q tile, once, pre-scaled so that scores come out in log2 units.
-        load_q_tile(q_tile, q, b, m0, h, seqlen_q, scale_log2)
-
+        # Load: the Q tile and the first K tile.
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
+        load_q_tile(q_tile, q, b, m0, h, seqlen_q)
+        if n_end > 0:
+            load_kv_tile(k_tile, k, b, 0, h, seqlen_k)
+        commit_loads()
+
         for n0 in range(0, n_end, BLOCK_N):
-            # Load: the K tile.
-            load_kv_tile(kv_tile, k, b, n0, h, seqlen_k, ONE)
-            cuda.syncthreads()  # why: K tile (and, first time, Q tile) fully written before reads
+            wait_loads()
+            cuda.syncthreads()  # why: K tile (and Q) complete; P·V of the last tile is done
+            # Load: this tile's V, in flight while the scores and the softmax run.
+            load_kv_tile(v_tile, v, b, n0, h, seqlen_k)
+            commit_loads()
 
-            # Scores: S = Q K^T for this thread's register tile.
-            tile_scores(s, q_tile, kv_tile, ty, tx)
-            if n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset):
-                for i in range(TM):
-                    row = m0 + ty + TY * i
-                    for j in range(TN):
-                        col = n0 + tx + TX * j
-                        if col >= seqlen_k or (causal and col > row + offset):
-                            s[i, j] = NEG_INF
-
-            # Row max: a partial over this thread's columns, combined through shared memory.
+            # Scores: S = Q Kᵀ for this thread's register tile, in log2 units.
+            tile_scores(s, q_tile, k_tile, ty, tx)
+            masked = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
             for i in range(TM):
-                partial = s[i, 0]
+                row = m0 + ty + LANE_ROWS * i
+                for j in range(TN):
+                    col = n0 + tx + LANE_COLS * j
+                    s[i, j] *= scale_log2
+                    if masked and (col >= seqlen_k or (causal and col > row + offset)):
+                        s[i, j] = NEG_INF
+
+            # Rescale: m_new = max(m_old, row max over the row's 8 lanes), alpha =
+            # exp2(m_old - m_new); P = exp2(S - m_new) into the P tile.
+            for i in range(TM):
+                row_max = s[i, 0]
                 for j in range(1, TN):
-                    partial = max(partial, s[i, j])
-                row_partial[ty + TY * i, tx] = partial
-            cuda.syncthreads()  # why: partial maxima visible; all reads of the K tile are done
-
-            # Rescale: m_new, alpha = exp2(m_old - m_new); P = exp2(S - m_new) into shared memory.
-            for i in range(TM):
-                r = ty + TY * i
-                m_new = m_i[i]
-                for t in range(TX):
-                    m_new = max(m_new, row_partial[r, t])
+                    row_max = max(row_max, s[i, j])
+                row_max = max(row_max, shfl_xor(row_max, 1))
+                row_max = max(row_max, shfl_xor(row_max, 2))
+                row_max = max(row_max, shfl_xor(row_max, 4))
+                m_new = max(m_i[i], row_max)
                 m_ref = m_new if m_new != NEG_INF else ZERO  # row has seen no key yet
                 alpha = exp2(m_i[i] - m_ref)
                 m_i[i] = m_new
                 l_new = ZERO
                 for j in range(TN):
                     p = exp2(s[i, j] - m_ref)
-                    p_tile[r, tx + TX * j] = p
+                    p_tile[ty + LANE_ROWS * i, tx + LANE_COLS * j] = p
                     l_new += p
                 l_i[i] = l_i[i] * alpha + l_new
-                for jd in range(TD):
-                    acc[i, jd] *= alpha
+                for c in range(4 * CHUNKS):
+                    acc[i, c] *= alpha
 
-            # Load: the V tile, into the buffer the K tile used.
-            load_kv_tile(kv_tile, v, b, n0, h, seqlen_k, ONE)
-            cuda.syncthreads()  # why: P tile and V tile fully written before P·V reads them
+            wait_loads()
+            cuda.syncthreads()  # why: V tile complete, P tile written; K tile reads are done
+            # Load: the next K tile, in flight while P·V runs.
+            if n0 + BLOCK_N < n_end:
+                load_kv_tile(k_tile, k, b, n0 + BLOCK_N, h, seqlen_k)
+            commit_loads()
 
             # Accumulate: acc += P V.
-            accumulate_pv(acc, p_tile, kv_tile, ty, tx)
-            cuda.syncthreads()  # why: P and V reads done before the next tile overwrites them
+            accumulate_pv(acc, p_tile, v_tile, ty, tx)
+        wait_loads()  # (with no key tile, the Q copies are still in flight)
 
-        # Epilogue: l = sum of the threads' partial row sums; out = acc / l; lse = m + log(l).
+        # Epilogue: l = the row's 8 lanes' shares; out = acc / l; lse = m + log(l).
         for i in range(TM):
-            row_partial[ty + TY * i, tx] = l_i[i]
-        cuda.syncthreads()  # why: every partial row sum written before the row totals are read
-        for i in range(TM):
-            r = ty + TY * i
-            row = m0 + r
-            l_row = ZERO
-            for t in range(TX):
-                l_row += row_partial[r, t]
+            l_row = l_i[i]
+            l_row += shfl_xor(l_row, 1)
+            l_row += shfl_xor(l_row, 2)
+            l_row += shfl_xor(l_row, 4)
+            row = m0 + ty + LANE_ROWS * i
             if row < seqlen_q:
                 no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
                 inv_l = ZERO if no_key else ONE / l_row
-                for jd in range(TD):
-                    col = tx * TD + jd
-                    if col < head_dim:
-                        out[b, row, h, col] = encode(acc[i, jd] * inv_l)
+                for c in range(CHUNKS):
+                    for e in range(4):
+                        col = (LANE_COLS * c + tx) * 4 + e
+                        if col < head_dim:
+                            out[b, row, h, col] = encode(acc[i, 4 * c + e] * inv_l)
                 if tx == 0:
                     if no_key:
                         lse[b, h, row] = NEG_INF
@@ -152,18 +220,22 @@ def forward_kernel_function(config, head_dim, causal, bf16=False):
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel(config, head_dim, causal, bf16=False):
+def forward_kernel(config, head_dim, causal, bf16=False, async_copy=False):
     """The compiled (lazily specialised on argument types) forward kernel."""
-    return cuda.jit(forward_kernel_function(config, head_dim, causal, bf16), cache=True)
+    return cuda.jit(forward_kernel_function(config, head_dim, causal, bf16, async_copy),
+                    cache=True)
 
 
-def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None, bf16=False):
+def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None, bf16=False,
+                   async_copy=False, shared_limit=SHARED_MEMORY_BYTES):
     """Launch the SIMT forward on device (or, under the simulator, host) arrays; with bf16,
-    q, k, v, out are uint16 views of bfloat16 data. `config` overrides the heuristic's tile
-    shape (for tuning)."""
+    q, k, v, out are uint16 views of bfloat16 data; with async_copy, q, k, v are read by
+    cp.async (see forward_kernel_function). The config is the first for the head dim that
+    fits `shared_limit` bytes of shared memory, unless `config` names one (for tuning)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    config = config or simt_forward_config(head_dim)
+    config = config or simt_forward_config(head_dim, shared_limit)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    kernel = forward_kernel(config, head_dim, causal, bf16)
+    kernel = forward_kernel(config, head_dim, causal, bf16, async_copy)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
-    launch(kernel, grid, config.threads, stream, 0, q, k, v, out, lse, scale_log2)
+    launch(kernel, grid, config.threads, stream, simt_forward_shared_bytes(config, head_dim),
+           q, k, v, out, lse, scale_log2)

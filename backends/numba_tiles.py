@@ -100,6 +100,33 @@ def make_tile_accumulate(rows_per_thread, cols_per_thread, threads_y, inner):
 
 
 @functools.lru_cache(maxsize=None)
+def make_chunked_accumulate(rows_per_thread, chunks, threads_y, threads_x, inner):
+    """accumulate(acc, p_tile, b_tile, ty, tx): acc[i, 4c + e] += sum_n p_tile[ty + TY*i, n] *
+    b_tile[n, (threads_x*c + tx)*4 + e] for n < inner, c < chunks, e < 4 (a register tile of
+    P·B whose columns come in 4-wide chunks interleaved over the threads_x column groups, so
+    that 8 lanes reading one chunk each read 128 consecutive bytes: one shared-memory
+    wavefront, where contiguous per-thread columns take two)."""
+    P_SHAPE = (rows_per_thread, 4)
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate(acc, p_tile, b_tile, ty, tx):
+        p = cuda.local.array(P_SHAPE, float32)
+        for n in range(0, inner, 4):
+            for i in range(rows_per_thread):
+                p[i, 0], p[i, 1], p[i, 2], p[i, 3] = load_f32x4(p_tile, ty + threads_y * i, n)
+            for k in range(4):
+                for c in range(chunks):
+                    b0, b1, b2, b3 = load_f32x4(b_tile, n + k, (threads_x * c + tx) * 4)
+                    for i in range(rows_per_thread):
+                        acc[i, 4 * c] += p[i, k] * b0
+                        acc[i, 4 * c + 1] += p[i, k] * b1
+                        acc[i, 4 * c + 2] += p[i, k] * b2
+                        acc[i, 4 * c + 3] += p[i, k] * b3
+
+    return accumulate
+
+
+@functools.lru_cache(maxsize=None)
 def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim, bf16=False):
     """store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
     tx*cols_per_thread + j] = acc[i, j] * scale for rows < nrows and columns < head_dim. With

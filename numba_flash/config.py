@@ -1,12 +1,77 @@
 """Tile configurations for the Numba kernels: one frozen dataclass and one heuristic per kernel.
 
-The SIMT kernels keep every tile in float32 whatever the input dtype, in static shared memory,
-which is capped at 48 KiB per block, so their tiles shrink as the head dimension grows. The
-tensor-core kernels keep 16-bit tiles in dynamic shared memory, up to MMA_SHARED_MEMORY_BYTES.
+The SIMT kernels keep every tile in float32 whatever the input dtype: the forward in dynamic
+shared memory (its config is the first candidate that fits the GPU's limit per block), the
+backward in static shared memory, capped at 48 KiB per block, so its tiles shrink as the head
+dimension grows. The tensor-core kernels keep 16-bit tiles in dynamic shared memory, up to
+MMA_SHARED_MEMORY_BYTES.
 """
 from dataclasses import dataclass
 
 SHARED_MEMORY_BYTES = 48 * 1024
+
+
+@dataclass(frozen=True)
+class SimtForwardConfig:
+    """Tile shape of the SIMT forward: `warps` warps, each owning 4·rows_per_thread query rows
+    of the tile; a warp's lanes form 4 row groups x 8 column groups, so a thread holds a
+    rows_per_thread x keys_per_thread register tile of S (keys tx + 8·j) and of the output a
+    rows_per_thread x head_dim/8 tile (columns in 4-wide chunks, (8·c + tx)·4 + e)."""
+
+    warps: int
+    rows_per_thread: int
+    keys_per_thread: int
+
+    @property
+    def block_m(self):
+        return 4 * self.warps * self.rows_per_thread
+
+    @property
+    def block_n(self):
+        return 8 * self.keys_per_thread
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @staticmethod
+    def padded_head_dim(head_dim):
+        """head_dim rounded up to whole 4-wide column chunks for each of 8 column groups."""
+        return -(-head_dim // 32) * 32
+
+
+def simt_forward_shared_bytes(config, head_dim):
+    """Dynamic shared memory of the SIMT forward: Q, K, V tiles (rows of the padded head dim
+    + 4 floats) and the P tile (rows of block_n + 8 floats)."""
+    row = config.padded_head_dim(head_dim) + 4
+    return 4 * ((config.block_m + 2 * config.block_n) * row
+                + config.block_m * (config.block_n + 8))
+
+
+# Candidates per head dim, fastest first; simt_forward_config takes the first that fits the
+# GPU's shared memory per block (the last of each fits 48 KiB, which every CUDA GPU gives).
+# Order from scripts/tune_simt.py on an H200, N = 4096, float32 (docs/tune_simt_2026-11-30.log).
+_SIMT_FORWARD = (  # (max head_dim, candidates)
+    (32, (SimtForwardConfig(4, 8, 8), SimtForwardConfig(2, 4, 8))),
+    (64, (SimtForwardConfig(2, 8, 8), SimtForwardConfig(2, 4, 4))),
+    (128, (SimtForwardConfig(4, 4, 4), SimtForwardConfig(2, 2, 4))),
+    (256, (SimtForwardConfig(2, 2, 4), SimtForwardConfig(1, 2, 2))),
+)
+
+
+def simt_forward_candidates(head_dim):
+    """The SIMT forward's configs for head_dim, fastest first."""
+    return _pick(_SIMT_FORWARD, head_dim)
+
+
+def simt_forward_config(head_dim, shared_limit=SHARED_MEMORY_BYTES):
+    """The SIMT forward's config for head_dim on a GPU that gives a block `shared_limit` bytes
+    of shared memory."""
+    for config in simt_forward_candidates(head_dim):
+        if simt_forward_shared_bytes(config, head_dim) <= shared_limit:
+            return config
+    raise ValueError(f"no SIMT forward config for headdim {head_dim} fits {shared_limit} bytes "
+                     f"of shared memory")
 
 
 @dataclass(frozen=True)
@@ -47,19 +112,9 @@ class SimtConfig:
         return -(-head_dim // quantum) * quantum
 
 
-# Every entry fits in 48 KiB of static shared memory (forward_shared_bytes / backward_shared_bytes,
-# checked in tests/test_config.py). The forward entries are the fastest candidates of
-# scripts/tune_simt.py on an H200, 2026-11-29, N = 4096, fp32 and fp16
-# (docs/tune_simt_2026-11-29.log):
-# d32 (64,64,8,16) 16.9 TFLOP/s; d64 (64,32,8,16) 12.9; d128 (32,32,16,8) 8.0 (8.1 for
-# (32,32,8,8) in fp32 is within noise, and it lost in fp16); d256 (16,16,16,8) 4.1.
-# The backward entries are the forward's shapes shrunk to hold six tiles; not yet tuned.
-_SIMT_FORWARD = (  # (max head_dim, config)
-    (32, SimtConfig(block_m=64, block_n=64, threads_x=8, threads_y=16)),
-    (64, SimtConfig(block_m=64, block_n=32, threads_x=8, threads_y=16)),
-    (128, SimtConfig(block_m=32, block_n=32, threads_x=16, threads_y=8)),
-    (256, SimtConfig(block_m=16, block_n=16, threads_x=16, threads_y=8)),
-)
+# The backward entries fit in 48 KiB of static shared memory (backward_shared_bytes, checked in
+# tests/test_config.py). They are shapes of the first SIMT forward shrunk to hold six tiles;
+# not yet tuned.
 _SIMT_BACKWARD = (
     (32, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
     (64, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
@@ -83,21 +138,8 @@ def _pick(table, head_dim):
     return config
 
 
-def simt_forward_config(head_dim):
-    return _pick(_SIMT_FORWARD, head_dim)
-
-
 def simt_backward_config(head_dim):
     return _pick(_SIMT_BACKWARD, head_dim)
-
-
-def forward_shared_bytes(config, head_dim):
-    """Shared memory of the SIMT forward kernel (q tile, k/v tile, P tile, row partials)."""
-    row = config.padded_head_dim(head_dim) + 4
-    floats = ((config.block_m + config.block_n) * row
-              + config.block_m * (config.block_n + config.threads_x)
-              + config.block_m * config.threads_x)
-    return 4 * floats
 
 
 def backward_shared_bytes(config, head_dim):

@@ -31,7 +31,8 @@ from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa:
 from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  # noqa: E402
                                 mma_backward_config, mma_backward_shared_bytes,
                                 mma_forward_config, mma_forward_shared_bytes,
-                                simt_backward_config, simt_forward_config)
+                                simt_backward_config, simt_forward_candidates,
+                                simt_forward_shared_bytes)
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
            "mma.sync", "ldmatrix", "cp.async.cg")
@@ -68,7 +69,8 @@ def ptxas_report(ptxas, ptx, cc):
 
 def kernel_cases(head_dims, dtypes):
     """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
-    (head_dim, causal, dtype)."""
+    (head_dim, causal, dtype): the forward for each of its configs and, for float32, with
+    cp.async loads too."""
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
@@ -76,9 +78,15 @@ def kernel_cases(head_dims, dtypes):
         for head_dim in head_dims:
             for causal in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
-                fwd = forward_kernel_function(simt_forward_config(head_dim), head_dim, causal,
-                                              bf16)
-                yield f"forward_{tag}", fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)", 0
+                for config in simt_forward_candidates(head_dim):  # (which runs: the GPU's
+                    shape = "x".join(map(str, (config.warps, config.rows_per_thread,  # limit)
+                                               config.keys_per_thread)))
+                    loads = [False] + [True] * (dtype == "float32" and head_dim % 4 == 0)
+                    for async_copy in loads:
+                        fwd = forward_kernel_function(config, head_dim, causal, bf16, async_copy)
+                        yield (f"forward_{tag}_{shape}{'_async' if async_copy else ''}", fwd,
+                               f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
+                               simt_forward_shared_bytes(config, head_dim))
                 delta, dk_dv, dq = backward_kernel_functions(
                     simt_backward_config(head_dim), head_dim, causal, bf16)
                 if not causal:  # the delta kernel does not depend on causal
