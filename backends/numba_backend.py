@@ -250,7 +250,6 @@ class NumbaBackend(Backend):
         from .numba_simt_fwd import launch_forward
         dtype = _arrays.dtype_name(q)
         bf16 = dtype == "bfloat16"  # passed as bit patterns
-        views = [self._view(x, bf16) for x in (q, k, v, out)] + [self._view(lse)]
         head_dim = int(q.shape[3])
         if simulator_enabled():
             async_capable, shared_limit = True, SHARED_MEMORY_BYTES
@@ -258,21 +257,26 @@ class NumbaBackend(Backend):
             device = _arrays.device_id(q)
             async_capable = compute_capability(device) >= TENSOR_CORE_CC
             shared_limit = shared_memory_limit(device)
-        async_copy = (async_capable and dtype == "float32" and head_dim % 4 == 0
-                      and all(is_tile_ready(view, head_dim) for view in views[:3]))
-        launch_forward(*views, causal, softmax_scale, stream, bf16=bf16, async_copy=async_copy,
-                       shared_limit=shared_limit)
+        async_copy = async_capable and dtype == "float32" and head_dim % 4 == 0
+        if async_copy:  # (cp.async loads are 2-3x faster: docs/tune_simt_2026-11-30.log)
+            inputs = [self._cp_async_input(x, q, head_dim, stream) for x in (q, k, v)]
+        else:
+            inputs = [self._view(x, bf16) for x in (q, k, v)]
+        launch_forward(*inputs, self._view(out, bf16), self._view(lse), causal, softmax_scale,
+                       stream, bf16=bf16, async_copy=async_copy, shared_limit=shared_limit)
 
     # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
 
-    def _mma_input(self, x, ref, head_dim, stream):
-        """x's 16-bit view if the kernels can read it in place, else a padded aligned copy."""
+    def _cp_async_input(self, x, ref, head_dim, stream, bits=False):
+        """x's view (with bits, of its 16-bit patterns) if cp.async can read it in place (see
+        is_tile_ready), else an aligned copy, zero-padded to head_dim columns."""
         from .numba_copy import copy_padded
-        view = self._view(x, bits=True)
+        view = self._view(x, bits=bits)
         if is_tile_ready(view, head_dim):
             return view
         shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
-        copy = self._view(self._new(ref, shape, "int16"), bits=True)
+        copy = self._view(self._new(ref, shape, "int16" if bits else view.dtype.name),
+                          bits=bits)
         copy_padded(view, copy, stream)
         return copy
 
@@ -288,7 +292,8 @@ class NumbaBackend(Backend):
         from .numba_copy import copy_padded
         from .numba_mma_fwd import launch_mma_forward
         head_dim = mma_head_dim(int(q.shape[3]))
-        qv, kv, vv = (self._mma_input(x, q, head_dim, stream) for x in (q, k, v))
+        qv, kv, vv = (self._cp_async_input(x, q, head_dim, stream, bits=True)
+                      for x in (q, k, v))
         out_view, out_final = self._mma_output(out, q, head_dim)
         launch_mma_forward(qv, kv, vv, out_view, self._view(lse), causal, softmax_scale,
                            _arrays.dtype_name(q) == "bfloat16", stream)
@@ -300,7 +305,8 @@ class NumbaBackend(Backend):
         from .numba_copy import copy_padded
         from .numba_mma_bwd import launch_mma_backward
         head_dim = mma_head_dim(int(q.shape[3]))
-        inputs = [self._mma_input(x, q, head_dim, stream) for x in (dout, q, k, v, out)]
+        inputs = [self._cp_async_input(x, q, head_dim, stream, bits=True)
+                  for x in (dout, q, k, v, out)]
         outputs = [self._mma_output(g, q, head_dim) for g in grads]
         launch_mma_backward(*inputs, self._view(lse), self._view(delta),
                             *(view for view, _ in outputs), causal, softmax_scale,

@@ -50,12 +50,17 @@ def simt_forward_shared_bytes(config, head_dim):
 
 # Candidates per head dim, fastest first; simt_forward_config takes the first that fits the
 # GPU's shared memory per block (the last of each fits 48 KiB, which every CUDA GPU gives).
-# Order from scripts/tune_simt.py on an H200, N = 4096, float32 (docs/tune_simt_2026-11-30.log).
+# From scripts/tune_simt.py on an H200, N = 4096, float32, full (docs/tune_simt_2026-11-30.log,
+# TFLOP/s with cp.async loads / plain loads): d64 (4, 8, 4) 34.6 / 16.9, tied with (2, 8, 4)
+# 34.6 / 10.5 (44 KiB: the 48 KiB fallback), then (4, 4, 4) 32.9 / 13.2; d128 (8, 4, 4)
+# 30.3 / 14.5, (4, 4, 4) 30.1 / 10.3 (76 KiB: fits sm_86's 99 KiB), (4, 2, 4) 24.5 / 9.8,
+# (2, 2, 4) 18.1 / 3.8. The d32 and d256 entries are reasoned from those, not yet timed.
 _SIMT_FORWARD = (  # (max head_dim, candidates)
-    (32, (SimtForwardConfig(4, 8, 8), SimtForwardConfig(2, 4, 8))),
-    (64, (SimtForwardConfig(2, 8, 8), SimtForwardConfig(2, 4, 4))),
-    (128, (SimtForwardConfig(4, 4, 4), SimtForwardConfig(2, 2, 4))),
-    (256, (SimtForwardConfig(2, 2, 4), SimtForwardConfig(1, 2, 2))),
+    (32, (SimtForwardConfig(4, 8, 4), SimtForwardConfig(2, 8, 4))),
+    (64, (SimtForwardConfig(4, 8, 4), SimtForwardConfig(2, 8, 4))),
+    (128, (SimtForwardConfig(8, 4, 4), SimtForwardConfig(4, 4, 4), SimtForwardConfig(4, 2, 4),
+           SimtForwardConfig(2, 2, 4))),
+    (256, (SimtForwardConfig(4, 2, 4), SimtForwardConfig(2, 2, 4), SimtForwardConfig(1, 2, 2))),
 )
 
 

@@ -4,8 +4,9 @@ Uses libNVVM from pip (numba-cuda[cu13]). For each kernel it reports whether the
 local memory (`__local_depot`: a register array placed in memory), counts the key instructions,
 and, when a ptxas of the same CUDA release is installed (the `test` extra brings it), the
 registers, spill bytes and static shared memory from `ptxas -v`, beside the dynamic shared
-memory the tensor-core configs ask for. Prints one JSON object per kernel; exits 1 if any kernel
-uses local memory, spills, or needs over 48 KiB of static or 99 KiB of dynamic shared memory.
+memory the configs ask for. Prints one JSON object per kernel; exits 1 if any kernel uses local
+memory, spills, or needs over 48 KiB of static or more dynamic shared memory than a block may
+have on the target (OPT_IN_SHARED_BYTES; 99 KiB for targets not listed).
 
     python scripts/ptx_check.py --cc 80 90
 """
@@ -32,7 +33,11 @@ from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  #
                                 mma_backward_config, mma_backward_shared_bytes,
                                 mma_forward_config, mma_forward_shared_bytes,
                                 simt_backward_config, simt_forward_candidates,
-                                simt_forward_shared_bytes)
+                                simt_forward_config, simt_forward_shared_bytes)
+
+#: shared memory a block may opt in to, per compute capability (the SIMT forward's configs go
+#: up to it on such GPUs; the tensor-core configs stay within MMA_SHARED_MEMORY_BYTES)
+OPT_IN_SHARED_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024}
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
            "mma.sync", "ldmatrix", "cp.async.cg")
@@ -67,10 +72,12 @@ def ptxas_report(ptxas, ptx, cc):
             "shared_bytes": number(r"(\d+) bytes smem")}
 
 
-def kernel_cases(head_dims, dtypes):
+def kernel_cases(head_dims, dtypes, cc, all_configs=False):
     """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
-    (head_dim, causal, dtype): the forward for each of its configs and, for float32, with
-    cp.async loads too."""
+    (head_dim, causal, dtype). The forward is built for the config it takes on a GPU of this
+    compute capability (or, with all_configs, for each candidate, the shape in its name), with
+    plain loads and, for float32, with cp.async loads (name ending in _async)."""
+    shared_limit = OPT_IN_SHARED_BYTES.get(cc, MMA_SHARED_MEMORY_BYTES)
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
@@ -78,14 +85,17 @@ def kernel_cases(head_dims, dtypes):
         for head_dim in head_dims:
             for causal in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
-                for config in simt_forward_candidates(head_dim):  # (which runs: the GPU's
-                    shape = "x".join(map(str, (config.warps, config.rows_per_thread,  # limit)
+                configs = (simt_forward_candidates(head_dim) if all_configs
+                           else [simt_forward_config(head_dim, shared_limit)])
+                loads = [False] + [True] * (dtype == "float32" and head_dim % 4 == 0)
+                for config in configs:
+                    shape = "x".join(map(str, (config.warps, config.rows_per_thread,
                                                config.keys_per_thread)))
-                    loads = [False] + [True] * (dtype == "float32" and head_dim % 4 == 0)
                     for async_copy in loads:
                         fwd = forward_kernel_function(config, head_dim, causal, bf16, async_copy)
-                        yield (f"forward_{tag}_{shape}{'_async' if async_copy else ''}", fwd,
-                               f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
+                        name = (f"forward_{tag}{'_async' if async_copy else ''}"
+                                f"{'_' + shape if all_configs else ''}")
+                        yield (name, fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
                                simt_forward_shared_bytes(config, head_dim))
                 delta, dk_dv, dq = backward_kernel_functions(
                     simt_backward_config(head_dim), head_dim, causal, bf16)
@@ -138,12 +148,14 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     parser.add_argument("--mma-dtypes", nargs="*", default=list(MMA_DTYPES), choices=MMA_DTYPES,
                         help="the tensor-core kernels' dtypes (none: SIMT kernels only)")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="build the SIMT forward for every candidate config")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
     failed = 0
     for cc in args.cc:
-        cases = list(kernel_cases(args.head_dims, args.dtypes)) + list(
+        cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs)) + list(
             mma_kernel_cases(args.head_dims, args.mma_dtypes))
         for name, function, signature, dynamic_bytes in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
@@ -154,7 +166,7 @@ def main(argv=None):
                 report.update(ptxas_report(ptxas, ptx, cc))
             failed += report["local_memory"] or report.get("spill_bytes", 0) > 0 or \
                 report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES or \
-                dynamic_bytes > MMA_SHARED_MEMORY_BYTES
+                dynamic_bytes > OPT_IN_SHARED_BYTES.get(cc, MMA_SHARED_MEMORY_BYTES)
             print(json.dumps(report), flush=True)
             if args.save:
                 os.makedirs(args.save, exist_ok=True)

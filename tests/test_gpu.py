@@ -134,6 +134,26 @@ def test_tensor_core_backend_reads_strided_and_misaligned_views(cp, rng):
                 assert_within_rule(name, got.get(), base.get(), ref.get(), "float16")
 
 
+def test_simt_forward_reads_strided_and_misaligned_float32_views(cp, rng):
+    """float32 through numba: a slice of a packed qkv array with 16-byte aligned rows is read
+    in place by cp.async; views whose rows are not aligned are copied first. Both give the
+    reference's result."""
+    batch, seqlen, nheads, headdim = 2, 500, 3, 64
+    packed = cp.asarray(rng.standard_normal((batch, seqlen, nheads, 3, headdim + 4)),
+                        cp.float32)
+    for start in (0, 1):  # start 1: every row begins 4 bytes past a 16-byte boundary
+        q, k, v = (packed[:, :, :, i, start:start + headdim] for i in range(3))
+        for causal in (False, True):
+            _poison(cp, 16 * q.nbytes)
+            out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
+            ref_out, ref_lse = attention_forward(cp, q, k, v, causal, headdim ** -0.5,
+                                                 "float64")
+            base_out, base_lse = attention_forward(cp, q, k, v, causal, headdim ** -0.5,
+                                                   "float32")
+            assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), "float32")
+            assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), "float32")
+
+
 def test_cupy_backend_matches_reference(cp, rng):
     q, k, v, dout = _inputs(cp, rng, (1, 300, 400, 2, 64), "float32")
     out, lse = numba_flash.forward(q, k, v, causal=True, backend="cupy")

@@ -15,7 +15,7 @@ def closure_hash(fn):
     cells = tuple(c.cell_contents for c in fn.__closure__ or ())
     return hashlib.sha256(dumps(cells)).hexdigest()[:16]
 
-kernels = [numba_simt_fwd.forward_kernel_function(simt_forward_config(64), 64, True),
+kernels = [numba_simt_fwd.forward_kernel_function(simt_forward_config(64), 64, True, False, True),
            *numba_simt_bwd.backward_kernel_functions(simt_backward_config(64), 64, True),
            numba_mma_fwd.mma_forward_kernel_function(64, 4, 64, True, True),
            numba_mma_bwd.mma_delta_kernel_function(64, True),

@@ -1,7 +1,8 @@
 """Every Numba kernel compiles for sm_80 and sm_90 without a GPU (libNVVM from pip) with the
 instructions the design relies on, no local memory, no register spills, at most 48 KiB of
-static shared memory (ptxas -v, from the `test` extra) and, for the tensor-core kernels, at most
-99 KiB of dynamic shared memory."""
+static shared memory (ptxas -v, from the `test` extra) and at most 99 KiB of dynamic shared
+memory for the tensor-core kernels; the SIMT forward's config for each target may take what a
+block may have there."""
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ptx_check.py"
+OPT_IN_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}  # per block, as in ptx_check.py
 # Both architectures for the head dims that matter most; the other config buckets once. The
 # float16 and bfloat16 tensor-core kernels differ only in their mma and packing instructions
 # (ptxas gives them the same registers), so each architecture builds one of the two: that
@@ -45,6 +47,7 @@ def test_every_kernel_compiled(reports):
                 for dtype in ("float16", "float32"):
                     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
                         assert (f"{kind}_d{head_dim}_{causal}_{dtype}", cc) in seen
+                assert (f"forward_d{head_dim}_{causal}_float32_async", cc) in seen
                 dtype = {"float16": "f16", "bfloat16": "bf16"}[MMA_DTYPE[cc]]
                 for kind in ("mma_forward", "mma_bwd_dk_dv", "mma_bwd_dq"):
                     assert (f"{kind}_d{head_dim}_{causal}_{dtype}", cc) in seen
@@ -72,8 +75,9 @@ def test_shared_memory_fits(reports):
            if r["shared_bytes"] > 48 * 1024]
     assert not bad, f"over 48 KiB of static shared memory: {bad}"
     bad = [(r["kernel"], r["cc"], r["dynamic_shared_bytes"]) for r in reports
-           if r["dynamic_shared_bytes"] > 99 * 1024]
-    assert not bad, f"over 99 KiB of dynamic shared memory: {bad}"
+           if r["dynamic_shared_bytes"] > (99 * 1024 if r["kernel"].startswith("mma_")
+                                           else OPT_IN_SHARED_BYTES[r["cc"]])]
+    assert not bad, f"over the dynamic shared memory a block may have: {bad}"
     assert all(r["dynamic_shared_bytes"] > 0 for r in reports if r["kernel"].startswith("mma_"))
 
 
@@ -87,6 +91,8 @@ def test_instructions_present(reports):
             assert r["mma.sync"] > 0 and r["ldmatrix"] > 0 and r["cp.async.cg"] > 0, r
         else:  # register-tiled FMAs fed by 16-byte shared loads
             assert r["fma.rn.f32"] >= 16 and r["ld.shared.v4.f32"] > 0, r
+            # tiles copied by cp.async exactly in the forward's _async variants
+            assert (r["cp.async.cg"] > 0) == name.endswith("_async"), r
 
 
 # (kernel name prefix, compute capability or None for both): most registers allowed. With
