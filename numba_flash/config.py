@@ -50,16 +50,18 @@ def simt_forward_shared_bytes(config, head_dim):
 
 # Candidates per head dim, fastest first; simt_forward_config takes the first that fits the
 # GPU's shared memory per block (the last of each fits 48 KiB, which every CUDA GPU gives).
-# From scripts/tune_simt.py on an H200, N = 4096, float32, full (docs/tune_simt_2026-11-30.log,
-# TFLOP/s with cp.async loads / plain loads): d64 (4, 8, 4) 34.6 / 16.9, tied with (2, 8, 4)
-# 34.6 / 10.5 (44 KiB: the 48 KiB fallback), then (4, 4, 4) 32.9 / 13.2; d128 (8, 4, 4)
-# 30.3 / 14.5, (4, 4, 4) 30.1 / 10.3 (76 KiB: fits sm_86's 99 KiB), (4, 2, 4) 24.5 / 9.8,
-# (2, 2, 4) 18.1 / 3.8. The d32 and d256 entries are reasoned from those, not yet timed.
+# From scripts/tune_simt.py on an H200, N = 4096, float32, cp.async loads, TFLOP/s full /
+# causal (docs/tune_simt_2026-11-30b.log; plain loads in docs/tune_simt_2026-11-30.log):
+# d32 (4, 4, 8) 31.2 / 27.8, (2, 4, 8) 29.1 / 28.0, (4, 8, 8) 26.5 / 25.2;
+# d64 (4, 8, 4) 34.9 / 32.7, (2, 8, 4) 34.5 / 31.8, (4, 4, 4) 33.1 / 31.9, (4, 4, 8) 32.2 / 31.7;
+# d128 (4, 4, 4) 30.1 / 29.0, (8, 4, 4) 30.4 / 28.7 (119 KiB), (4, 2, 4) 24.5 / 23.3,
+# (2, 2, 4) 18.1 / 18.3; d256 (4, 2, 4) 20.8 / 20.6, (2, 2, 4) 14.0 / 13.1, (1, 2, 2) 12.4 /
+# 10.4. With plain loads (sm_75 and older, float16, head dims not a multiple of 4) the same
+# configs come first: d64 (4, 8, 4) 16.9, d128 (4, 4, 4) 10.3.
 _SIMT_FORWARD = (  # (max head_dim, candidates)
-    (32, (SimtForwardConfig(4, 8, 4), SimtForwardConfig(2, 8, 4))),
+    (32, (SimtForwardConfig(4, 4, 8), SimtForwardConfig(2, 4, 8))),
     (64, (SimtForwardConfig(4, 8, 4), SimtForwardConfig(2, 8, 4))),
-    (128, (SimtForwardConfig(8, 4, 4), SimtForwardConfig(4, 4, 4), SimtForwardConfig(4, 2, 4),
-           SimtForwardConfig(2, 2, 4))),
+    (128, (SimtForwardConfig(4, 4, 4), SimtForwardConfig(4, 2, 4), SimtForwardConfig(2, 2, 4))),
     (256, (SimtForwardConfig(4, 2, 4), SimtForwardConfig(2, 2, 4), SimtForwardConfig(1, 2, 2))),
 )
 

@@ -31,8 +31,10 @@ def _arrays(cp, torch, rng, shape, dtype):
 
 
 def sanitize(numba_flash, cp, torch):
-    """Every kernel once per odd shape, causal and not: SIMT (float32, float16, bfloat16),
-    tensor cores (float16, bfloat16), the copy kernel (a misaligned strided view)."""
+    """Every kernel per odd shape, causal and not: SIMT (float32 with cp.async loads, float16
+    and bfloat16 with plain ones), tensor cores (float16, bfloat16), the copy kernel
+    (misaligned strided views, float16 and float32). Each call is made twice, so that the
+    second runs as a replay (numba_flash/call_cache.py)."""
     rng = np.random.default_rng(0)
     calls = 0
     for shape in SANITIZE_SHAPES:
@@ -43,15 +45,20 @@ def sanitize(numba_flash, cp, torch):
             if numba_flash.get_backend(backend).supports(q, k, v):
                 continue  # (a backend that cannot run this case on this GPU)
             for causal in (False, True):
-                out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
-                numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
-                calls += 2
-    packed = cp.asarray(rng.standard_normal((1, 45, 2, 3, 65)), cp.float16)
-    q, k, v = (packed[:, :, :, i, 1:] for i in range(3))  # rows 2 bytes off 16-byte alignment
-    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba-mma")
-    numba_flash.backward(q, q, k, v, out, lse, causal=True, backend="numba-mma")
+                for _ in range(2):
+                    out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
+                    numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
+                                         backend=backend)
+                    calls += 2
+    for backend, dtype in (("numba-mma", cp.float16), ("numba-simt", cp.float32)):
+        packed = cp.asarray(rng.standard_normal((1, 45, 2, 3, 65)), dtype)
+        q, k, v = (packed[:, :, :, i, 1:] for i in range(3))  # rows off 16-byte alignment
+        for _ in range(2):
+            out, lse = numba_flash.forward(q, k, v, causal=True, backend=backend)
+            numba_flash.backward(q, q, k, v, out, lse, causal=True, backend=backend)
+            calls += 2
     cp.cuda.Device().synchronize()
-    print(f"sanitize: {calls + 2} calls done")
+    print(f"sanitize: {calls} calls done")
     return True
 
 

@@ -200,6 +200,9 @@ def main(argv=None):
     parser.add_argument("--simulator", action="store_true",
                         help="run the kernels in Numba's CUDA simulator even if a GPU is here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--shapes", nargs="+", type=int, metavar="I",
+                        help="only these shapes of the grid (indices from 0, in the order the "
+                             "grid lists them); the long forward runs unless --quick")
     args = parser.parse_args(argv)
     reason = "asked for (--simulator)" if args.simulator else harness.gpu_ready()
     on_gpu = reason is None
@@ -216,6 +219,8 @@ def main(argv=None):
     have_torch = importlib.util.find_spec("torch") is not None
     if args.quick:
         shapes = shapes[:2]
+    if args.shapes:
+        shapes = [shapes[i] for i in args.shapes]
     rng = np.random.default_rng()
     table = Table()
     print(f"{'backend':10s} {'case':42s} {'qty':4s} {'max error':>10s} {'bound':>10s}")
