@@ -232,38 +232,53 @@ class NumbaBackend(Backend):
                 self._mma_backward(dout, q, k, v, out, lse, delta, grads, causal, softmax_scale,
                                    stream)
             else:
-                from .numba_simt_bwd import launch_backward
-                bf16 = dtype == "bfloat16"  # passed as bit patterns
-                views = ([self._view(x, bf16) for x in (dout, q, k, v, out)]
-                         + [self._view(lse), self._view(delta)]
-                         + [self._view(g, bf16) for g in grads])
-                launch_backward(*views, causal, softmax_scale, stream, bf16=bf16)
+                self._simt_backward(dout, q, k, v, out, lse, delta, grads, causal,
+                                    softmax_scale, stream)
         return tuple(grads)
 
     # -- the SIMT engine ------------------------------------------------------------------------
 
-    def _simt_forward(self, q, k, v, out, lse, causal, softmax_scale, stream):
-        """The SIMT forward; float32 inputs it can copy with cp.async (sm_80 and newer, rows of
-        a multiple of 4 floats, 16-byte aligned) are read that way, the rest element by
-        element. Its tiles are sized to the GPU's shared memory per block (48 KiB under the
-        simulator, to keep CI's simulated tiles small)."""
-        from .numba_simt_fwd import launch_forward
-        dtype = _arrays.dtype_name(q)
-        bf16 = dtype == "bfloat16"  # passed as bit patterns
-        head_dim = int(q.shape[3])
+    def _simt_loads(self, q):
+        """(async_copy, shared_limit) of the SIMT kernels for q's call: float32 inputs with
+        rows of a multiple of 4 floats are read by cp.async on sm_80 and newer (2-3x faster
+        than plain loads: docs/tune_simt_2026-11-30.log; misaligned views are copied first);
+        tiles are sized to the GPU's shared memory per block (48 KiB under the simulator, to
+        keep CI's simulated tiles small)."""
         if simulator_enabled():
             async_capable, shared_limit = True, SHARED_MEMORY_BYTES
         else:
             device = _arrays.device_id(q)
             async_capable = compute_capability(device) >= TENSOR_CORE_CC
             shared_limit = shared_memory_limit(device)
-        async_copy = async_capable and dtype == "float32" and head_dim % 4 == 0
-        if async_copy:  # (cp.async loads are 2-3x faster: docs/tune_simt_2026-11-30.log)
-            inputs = [self._cp_async_input(x, q, head_dim, stream) for x in (q, k, v)]
-        else:
-            inputs = [self._view(x, bf16) for x in (q, k, v)]
+        async_copy = (async_capable and _arrays.dtype_name(q) == "float32"
+                      and int(q.shape[3]) % 4 == 0)
+        return async_copy, shared_limit
+
+    def _simt_inputs(self, arrays, q, async_copy, stream):
+        """The SIMT kernels' views of their tile inputs: cp.async-ready (aligned copies where
+        needed) with async_copy, else as they are (bfloat16 as bit patterns)."""
+        if async_copy:
+            return [self._cp_async_input(x, q, int(q.shape[3]), stream) for x in arrays]
+        return [self._view(x, _arrays.dtype_name(q) == "bfloat16") for x in arrays]
+
+    def _simt_forward(self, q, k, v, out, lse, causal, softmax_scale, stream):
+        from .numba_simt_fwd import launch_forward
+        bf16 = _arrays.dtype_name(q) == "bfloat16"  # passed as bit patterns
+        async_copy, shared_limit = self._simt_loads(q)
+        inputs = self._simt_inputs((q, k, v), q, async_copy, stream)
         launch_forward(*inputs, self._view(out, bf16), self._view(lse), causal, softmax_scale,
                        stream, bf16=bf16, async_copy=async_copy, shared_limit=shared_limit)
+
+    def _simt_backward(self, dout, q, k, v, out, lse, delta, grads, causal, softmax_scale,
+                       stream):
+        from .numba_simt_bwd import launch_backward
+        bf16 = _arrays.dtype_name(q) == "bfloat16"  # passed as bit patterns
+        async_copy, shared_limit = self._simt_loads(q)
+        inputs = self._simt_inputs((dout, q, k, v), q, async_copy, stream)
+        views = ([self._view(out, bf16), self._view(lse), self._view(delta)]
+                 + [self._view(g, bf16) for g in grads])
+        launch_backward(*inputs, *views, causal, softmax_scale, stream, bf16=bf16,
+                        async_copy=async_copy, shared_limit=shared_limit)
 
     # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
 

@@ -10,22 +10,30 @@ Three launches, no floating-point atomics, so repeated runs are bitwise identica
   2. `dk_dv`: one block per key tile; loops over the query tiles that can see it (causal: it
      starts at the first query tile on or below the diagonal) and accumulates dK, dV in registers.
   3. `dq`: one block per query tile; loops over the key tiles it can see, accumulating dQ.
-Scores are in log2 units (one operand pre-scaled by softmax_scale·log2(e), lse by log2(e)).
+
+Both loops are laid out as the forward (backends/numba_simt_fwd.py): warps own bands of rows
+(keys in dk/dv, queries in dq), lanes are 4 row groups x 8 column groups, tiles live in dynamic
+shared memory. The tiles a loop streams (Q and dO in dk/dv, K and V in dq) are read by both of
+its products, so with config.stages = 2 they are double-buffered: the copy of tile j+1 (cp.async
+for aligned float32) runs while tile j is used, one block barrier per tile. P and dS rows are
+written and read by the warp that owns them, so a warp barrier orders them. Scores are in log2
+units (scaled by softmax_scale·log2(e) as they come out of the product, lse by log2(e)).
 """
 import functools
 
 import numpy as np
 from numba import cuda, float32
 
-from numba_flash.config import simt_backward_config
-from numba_flash.intrinsics import SHARED_ALIGN, exp2
+from numba_flash.config import (SHARED_MEMORY_BYTES, simt_backward_config,
+                                simt_backward_shared_bytes)
+from numba_flash.intrinsics import SHARED_ALIGN, exp2, shared_tile, syncwarp
 
 from .numba_bits16 import bf16_bits_to_float32
 from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin,
                               query_tile)
 from .numba_launch import launch
-from .numba_tiles import (make_load_tile, make_store_tile, make_tile_accumulate, make_tile_dot,
-                          row_stride)
+from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
+                          make_chunked_store, make_tile_dot, make_tile_loader)
 
 DELTA_THREADS = 128
 
@@ -50,27 +58,46 @@ def delta_kernel_function(head_dim, to_float32=float32):
     return flash_bwd_delta
 
 
-def _dk_dv_kernel_function(config, head_dim, causal, bf16):
-    BLOCK_M, BLOCK_N = config.block_m, config.block_n
-    TX, TY = config.threads_x, config.threads_y
+def _check_loads(head_dim, bf16, async_copy):
+    if async_copy and (bf16 or head_dim % 4):
+        raise ValueError(f"cp.async loads take float32 rows of a multiple of 4 floats; got "
+                         f"head_dim {head_dim}{' in bfloat16' if bf16 else ''}")
+
+
+def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
+    _check_loads(head_dim, bf16, async_copy)
+    TK, TQ, STAGES, THREADS = config.key_rows, config.query_cols, config.stages, config.threads
+    BLOCK_N, BLOCK_M = config.dk_dv_tiles  # keys per block, queries per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
-    TK = BLOCK_N // TY  # key rows per thread
-    TQ = BLOCK_M // TX  # query columns of the transposed score tile per thread
-    TD = D_PAD // TX  # dK / dV columns per thread
-    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
-    tile_scores = make_tile_dot(TK, TQ, TY, TX, D_PAD)
-    accumulate = make_tile_accumulate(TK, TD, TY, BLOCK_M)
-    store_tile = make_store_tile(TK, TD, TY, head_dim, bf16)
-    K_SHAPE = (BLOCK_N, row_stride(D_PAD))
-    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
-    P_SHAPE = (BLOCK_N, BLOCK_M + TX)  # +TX: the threads' scalar stores avoid bank conflicts
+    D4 = -(-head_dim // 4) * 4  # columns the products read: whole 16-byte vectors
+    CHUNKS = D_PAD // (4 * LANE_COLS)
+    ROW = D_PAD + 4
+    P_ROW = BLOCK_M + 8
+    STAGED_ROWS = STAGES * BLOCK_M  # rows of the Q and dO buffers (shapes must be literals)
+    V_START = 4 * BLOCK_N * ROW  # byte offsets in dynamic shared memory
+    Q_START = V_START + 4 * BLOCK_N * ROW
+    DO_START = Q_START + 4 * STAGES * BLOCK_M * ROW
+    P_START = DO_START + 4 * STAGES * BLOCK_M * ROW
+    DS_START = P_START + 4 * BLOCK_N * P_ROW
+    LSE_START = DS_START + 4 * BLOCK_N * P_ROW
+    D_START = LSE_START + 4 * STAGES * BLOCK_M
+    PAD = D_PAD - D4  # dO / Q columns that the products read but no load writes
+    PAD_DIV = max(PAD, 1)
+    load_k_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
+    load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
+    commit_loads, wait_loads = copy_fences(async_copy)
+    tile_scores = make_tile_dot(TK, TQ, LANE_ROWS, LANE_COLS, D4)
+    accumulate = make_chunked_accumulate(TK, CHUNKS, LANE_ROWS, LANE_COLS, BLOCK_M)
+    store_tile = make_chunked_store(TK, CHUNKS, LANE_ROWS, LANE_COLS, head_dim, bf16)
     REG_S = (TK, TQ)
-    REG_D = (TK, TD)
+    REG_D = (TK, 4 * CHUNKS)
+    if BLOCK_M > THREADS:
+        raise ValueError(f"{config}: a dk/dv query tile of {BLOCK_M} rows needs as many threads")
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
-        tx = cuda.threadIdx.x % TX
-        ty = cuda.threadIdx.x // TX
+        lane = cuda.threadIdx.x % 32
+        tx = lane % LANE_COLS
+        ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
         n0 = cuda.blockIdx.x * BLOCK_N
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -78,58 +105,88 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
 
-        k_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
-        v_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
-        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
-        do_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
-        p_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
-        ds_tile = cuda.shared.array(P_SHAPE, float32, SHARED_ALIGN)
-        lse_tile = cuda.shared.array(BLOCK_M, float32)
-        delta_tile = cuda.shared.array(BLOCK_M, float32)
+        smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
+        k_tile = shared_tile(smem, 0, BLOCK_N, ROW, float32)
+        v_tile = shared_tile(smem, V_START, BLOCK_N, ROW, float32)
+        q_tiles = shared_tile(smem, Q_START, STAGED_ROWS, ROW, float32)
+        do_tiles = shared_tile(smem, DO_START, STAGED_ROWS, ROW, float32)
+        p_tile = shared_tile(smem, P_START, BLOCK_N, P_ROW, float32)
+        ds_tile = shared_tile(smem, DS_START, BLOCK_N, P_ROW, float32)
+        lse_tiles = shared_tile(smem, LSE_START, STAGES, BLOCK_M, float32)
+        delta_tiles = shared_tile(smem, D_START, STAGES, BLOCK_M, float32)
 
         s = cuda.local.array(REG_S, float32)  # Sᵀ: key rows x query columns
         dp = cuda.local.array(REG_S, float32)  # dPᵀ
         dk_acc = cuda.local.array(REG_D, float32)
         dv_acc = cuda.local.array(REG_D, float32)
         for i in range(TK):
-            for jd in range(TD):
-                dk_acc[i, jd] = ZERO
-                dv_acc[i, jd] = ZERO
+            for c in range(4 * CHUNKS):
+                dk_acc[i, c] = ZERO
+                dv_acc[i, c] = ZERO
+        for idx in range(cuda.threadIdx.x, STAGES * BLOCK_M * PAD, THREADS):
+            q_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
+            do_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
 
-        # Load: K (pre-scaled, it only enters the scores) and V, once.
-        load_k_tile(k_tile, k, b, n0, h, seqlen_k, scale_log2)
-        load_k_tile(v_tile, v, b, n0, h, seqlen_k, ONE)
-
+        # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0.
         m_begin = query_begin(causal, n0, offset, BLOCK_M)
+        load_k_tile(k_tile, 0, k, b, n0, h, seqlen_k)
+        load_k_tile(v_tile, 0, v, b, n0, h, seqlen_k)
+        if m_begin < seqlen_q:
+            load_q_tile(q_tiles, 0, q, b, m_begin, h, seqlen_q)
+            load_q_tile(do_tiles, 0, dout, b, m_begin, h, seqlen_q)
+        commit_loads()
+        r = cuda.threadIdx.x  # this thread's row of the lse and D tiles, if < BLOCK_M
+        if r < BLOCK_M:
+            in_range = m_begin + r < seqlen_q
+            lse_tiles[0, r] = lse_log2(lse[b, h, m_begin + r]) if in_range else POS_INF
+            delta_tiles[0, r] = delta[b, h, m_begin + r] if in_range else ZERO
+
+        stage = 0
         for m0 in range(m_begin, seqlen_q, BLOCK_M):
-            # Load: Q, dO, lse, D for this query tile (rows past seqlen_q: zeros and lse = +inf).
-            load_q_tile(q_tile, q, b, m0, h, seqlen_q, ONE)
-            load_q_tile(do_tile, dout, b, m0, h, seqlen_q, ONE)
-            for r in range(cuda.threadIdx.x, BLOCK_M, TX * TY):
-                in_range = m0 + r < seqlen_q
-                lse_tile[r] = lse_log2(lse[b, h, m0 + r]) if in_range else POS_INF
-                delta_tile[r] = delta[b, h, m0 + r] if in_range else ZERO
-            cuda.syncthreads()  # why: Q, dO, lse, D tiles (and K, V the first time) complete
+            wait_loads()
+            cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
+            # Load: the next query tile into the other stage (two stages), while this one is
+            # used; its lse and D go to registers now and to shared memory at the end.
+            m_next = m0 + BLOCK_M
+            nxt = 1 - stage if STAGES == 2 else 0
+            if STAGES == 2 and m_next < seqlen_q:
+                load_q_tile(q_tiles, nxt * BLOCK_M, q, b, m_next, h, seqlen_q)
+                load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, m_next, h, seqlen_q)
+            commit_loads()
+            next_in_range = r < BLOCK_M and m_next + r < seqlen_q
+            next_lse = lse[b, h, m_next + r] if next_in_range else ZERO
+            next_delta = delta[b, h, m_next + r] if next_in_range else ZERO
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ; then P = exp2(S - lse), dS = P (dP - D).
-            tile_scores(s, k_tile, q_tile, ty, tx)
-            tile_scores(dp, v_tile, do_tile, ty, tx)
+            row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
+            tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
+            tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
             needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
             for i in range(TK):
-                r = ty + TY * i
+                key = ty + LANE_ROWS * i
                 for j in range(TQ):
-                    c = tx + TX * j
-                    p = exp2(s[i, j] - lse_tile[c])
-                    if needs_mask and n0 + r > m0 + c + offset:
+                    query = tx + LANE_COLS * j
+                    p = exp2(s[i, j] * scale_log2 - lse_tiles[stage, query])
+                    if needs_mask and n0 + key > m0 + query + offset:
                         p = ZERO
-                    p_tile[r, c] = p
-                    ds_tile[r, c] = p * (dp[i, j] - delta_tile[c])
-            cuda.syncthreads()  # why: P and dS tiles complete before the products read them
+                    p_tile[key, query] = p
+                    ds_tile[key, query] = p * (dp[i, j] - delta_tiles[stage, query])
+            syncwarp()  # why: the warp's P and dS rows complete before its lanes read them
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
-            accumulate(dv_acc, p_tile, do_tile, ty, tx)
-            accumulate(dk_acc, ds_tile, q_tile, ty, tx)
-            cuda.syncthreads()  # why: all reads done before the next query tile overwrites them
+            accumulate(dv_acc, p_tile, do_tiles, ty, tx, row0)
+            accumulate(dk_acc, ds_tile, q_tiles, ty, tx, row0)
+            if STAGES == 1:
+                cuda.syncthreads()  # why: every read of the one stage done before reloading
+                if m_next < seqlen_q:
+                    load_q_tile(q_tiles, 0, q, b, m_next, h, seqlen_q)
+                    load_q_tile(do_tiles, 0, dout, b, m_next, h, seqlen_q)
+                commit_loads()
+            if r < BLOCK_M:
+                lse_tiles[nxt, r] = lse_log2(next_lse) if next_in_range else POS_INF
+                delta_tiles[nxt, r] = next_delta
+            stage = nxt
+        wait_loads()  # (with no query tile, the copies of K and V are still in flight)
 
         # Epilogue: one write of dK and dV.
         store_tile(dk, dk_acc, b, n0, h, seqlen_k, ty, tx, softmax_scale)
@@ -138,27 +195,35 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16):
     return flash_bwd_dk_dv
 
 
-def _dq_kernel_function(config, head_dim, causal, bf16):
-    BLOCK_M, BLOCK_N = config.block_m, config.block_n
-    TX, TY = config.threads_x, config.threads_y
+def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
+    _check_loads(head_dim, bf16, async_copy)
+    TM, TN, STAGES, THREADS = config.query_rows, config.key_cols, config.stages, config.threads
+    BLOCK_M, BLOCK_N = config.dq_tiles  # queries per block, keys per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
-    TM = BLOCK_M // TY  # query rows per thread
-    TN = BLOCK_N // TX  # key columns per thread
-    TD = D_PAD // TX  # dQ columns per thread
-    load_q_tile = make_load_tile(BLOCK_M, head_dim, D_PAD, config.threads, bf16)
-    load_k_tile = make_load_tile(BLOCK_N, head_dim, D_PAD, config.threads, bf16)
-    tile_scores = make_tile_dot(TM, TN, TY, TX, D_PAD)
-    accumulate = make_tile_accumulate(TM, TD, TY, BLOCK_N)
-    store_tile = make_store_tile(TM, TD, TY, head_dim, bf16)
-    Q_SHAPE = (BLOCK_M, row_stride(D_PAD))
-    K_SHAPE = (BLOCK_N, row_stride(D_PAD))
-    DS_SHAPE = (BLOCK_M, BLOCK_N + TX)
+    D4 = -(-head_dim // 4) * 4
+    CHUNKS = D_PAD // (4 * LANE_COLS)
+    ROW = D_PAD + 4
+    DS_ROW = BLOCK_N + 8
+    STAGED_ROWS = STAGES * BLOCK_N  # rows of the K and V buffers (shapes must be literals)
+    DO_START = 4 * BLOCK_M * ROW  # byte offsets in dynamic shared memory
+    K_START = DO_START + 4 * BLOCK_M * ROW
+    V_START = K_START + 4 * STAGES * BLOCK_N * ROW
+    DS_START = V_START + 4 * STAGES * BLOCK_N * ROW
+    PAD = D_PAD - D4  # K columns that dS K reads but no load writes
+    PAD_DIV = max(PAD, 1)
+    load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
+    load_k_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
+    commit_loads, wait_loads = copy_fences(async_copy)
+    tile_scores = make_tile_dot(TM, TN, LANE_ROWS, LANE_COLS, D4)
+    accumulate = make_chunked_accumulate(TM, CHUNKS, LANE_ROWS, LANE_COLS, BLOCK_N)
+    store_tile = make_chunked_store(TM, CHUNKS, LANE_ROWS, LANE_COLS, head_dim, bf16)
     REG_S = (TM, TN)
-    REG_D = (TM, TD)
+    REG_D = (TM, 4 * CHUNKS)
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
-        tx = cuda.threadIdx.x % TX
-        ty = cuda.threadIdx.x // TX
+        lane = cuda.threadIdx.x % 32
+        tx = lane % LANE_COLS
+        ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
         m0 = query_tile(causal) * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -166,11 +231,12 @@ def _dq_kernel_function(config, head_dim, causal, bf16):
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
 
-        q_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
-        do_tile = cuda.shared.array(Q_SHAPE, float32, SHARED_ALIGN)
-        k_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
-        v_tile = cuda.shared.array(K_SHAPE, float32, SHARED_ALIGN)
-        ds_tile = cuda.shared.array(DS_SHAPE, float32, SHARED_ALIGN)
+        smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
+        q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
+        do_tile = shared_tile(smem, DO_START, BLOCK_M, ROW, float32)
+        k_tiles = shared_tile(smem, K_START, STAGED_ROWS, ROW, float32)
+        v_tiles = shared_tile(smem, V_START, STAGED_ROWS, ROW, float32)
+        ds_tile = shared_tile(smem, DS_START, BLOCK_M, DS_ROW, float32)
 
         s = cuda.local.array(REG_S, float32)
         dp = cuda.local.array(REG_S, float32)
@@ -178,41 +244,61 @@ def _dq_kernel_function(config, head_dim, causal, bf16):
         lse_i = cuda.local.array(TM, float32)
         delta_i = cuda.local.array(TM, float32)
         for i in range(TM):
-            row = m0 + ty + TY * i
+            row = m0 + ty + LANE_ROWS * i
             lse_i[i] = lse_log2(lse[b, h, row]) if row < seqlen_q else POS_INF
             delta_i[i] = delta[b, h, row] if row < seqlen_q else ZERO
-            for jd in range(TD):
-                dq_acc[i, jd] = ZERO
+            for c in range(4 * CHUNKS):
+                dq_acc[i, c] = ZERO
+        for idx in range(cuda.threadIdx.x, STAGES * BLOCK_N * PAD, THREADS):
+            k_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
 
-        # Load: Q (pre-scaled, it only enters the scores) and dO, once.
-        load_q_tile(q_tile, q, b, m0, h, seqlen_q, scale_log2)
-        load_q_tile(do_tile, dout, b, m0, h, seqlen_q, ONE)
-
+        # Load: Q and dO, once; K and V of the first key tile into stage 0.
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
+        load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
+        load_q_tile(do_tile, 0, dout, b, m0, h, seqlen_q)
+        if n_end > 0:
+            load_k_tile(k_tiles, 0, k, b, 0, h, seqlen_k)
+            load_k_tile(v_tiles, 0, v, b, 0, h, seqlen_k)
+        commit_loads()
+
+        stage = 0
         for n0 in range(0, n_end, BLOCK_N):
-            # Load: K, V tiles.
-            load_k_tile(k_tile, k, b, n0, h, seqlen_k, ONE)
-            load_k_tile(v_tile, v, b, n0, h, seqlen_k, ONE)
-            cuda.syncthreads()  # why: K, V (and, first time, Q, dO) tiles complete before reads
+            wait_loads()
+            cuda.syncthreads()  # why: this stage's K, V complete; the last tile's reads done
+            # Load: the next key tile into the other stage (two stages), while this one is used.
+            n_next = n0 + BLOCK_N
+            nxt = 1 - stage if STAGES == 2 else 0
+            if STAGES == 2 and n_next < n_end:
+                load_k_tile(k_tiles, nxt * BLOCK_N, k, b, n_next, h, seqlen_k)
+                load_k_tile(v_tiles, nxt * BLOCK_N, v, b, n_next, h, seqlen_k)
+            commit_loads()
 
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse); dS = P (dP - D).
-            tile_scores(s, q_tile, k_tile, ty, tx)
-            tile_scores(dp, do_tile, v_tile, ty, tx)
+            row0 = stage * BLOCK_N  # this stage's rows in k_tiles, v_tiles
+            tile_scores(s, q_tile, k_tiles, ty, row0 + tx)
+            tile_scores(dp, do_tile, v_tiles, ty, row0 + tx)
             needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
             for i in range(TM):
-                r = ty + TY * i
+                query = ty + LANE_ROWS * i
                 for j in range(TN):
-                    c = tx + TX * j
-                    p = exp2(s[i, j] - lse_i[i])
-                    if needs_mask and (n0 + c >= seqlen_k or
-                                       (causal and n0 + c > m0 + r + offset)):
+                    key = tx + LANE_COLS * j
+                    p = exp2(s[i, j] * scale_log2 - lse_i[i])
+                    if needs_mask and (n0 + key >= seqlen_k or
+                                       (causal and n0 + key > m0 + query + offset)):
                         p = ZERO
-                    ds_tile[r, c] = p * (dp[i, j] - delta_i[i])
-            cuda.syncthreads()  # why: dS tile complete before dS K reads it
+                    ds_tile[query, key] = p * (dp[i, j] - delta_i[i])
+            syncwarp()  # why: the warp's dS rows complete before its lanes read them
 
             # Accumulate: dQ += dS K (scaled at the end).
-            accumulate(dq_acc, ds_tile, k_tile, ty, tx)
-            cuda.syncthreads()  # why: reads of dS, K done before the next tiles overwrite them
+            accumulate(dq_acc, ds_tile, k_tiles, ty, tx, row0)
+            if STAGES == 1:
+                cuda.syncthreads()  # why: every read of the one stage done before reloading
+                if n_next < n_end:
+                    load_k_tile(k_tiles, 0, k, b, n_next, h, seqlen_k)
+                    load_k_tile(v_tiles, 0, v, b, n_next, h, seqlen_k)
+                commit_loads()
+            stage = nxt
+        wait_loads()  # (with no key tile, the copies of Q and dO are still in flight)
 
         # Epilogue: one write of dQ.
         store_tile(dq, dq_acc, b, m0, h, seqlen_q, ty, tx, softmax_scale)
@@ -221,34 +307,41 @@ def _dq_kernel_function(config, head_dim, causal, bf16):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernel_functions(config, head_dim, causal, bf16=False):
-    """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal, dtype)."""
+def backward_kernel_functions(config, head_dim, causal, bf16=False, async_copy=False):
+    """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal, dtype,
+    load kind); with async_copy, the float32 inputs are read by cp.async (rows of head_dim, a
+    multiple of 4, 16-byte aligned)."""
     return (delta_kernel_function(head_dim, bf16_bits_to_float32 if bf16 else float32),
-            _dk_dv_kernel_function(config, head_dim, causal, bf16),
-            _dq_kernel_function(config, head_dim, causal, bf16))
+            _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy),
+            _dq_kernel_function(config, head_dim, causal, bf16, async_copy))
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(config, head_dim, causal, bf16=False):
-    functions = backward_kernel_functions(config, head_dim, causal, bf16)
+def backward_kernels(config, head_dim, causal, bf16=False, async_copy=False):
+    functions = backward_kernel_functions(config, head_dim, causal, bf16, async_copy)
     return tuple(cuda.jit(fn, cache=True) for fn in functions)
 
 
 def launch_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,
-                    stream=0, bf16=False):
+                    stream=0, bf16=False, async_copy=False, shared_limit=SHARED_MEMORY_BYTES,
+                    config=None):
     """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q)
-    scratch. With bf16 the arrays of q's shape and k's are uint16 views of bfloat16 data."""
+    scratch. With bf16 the arrays of q's shape and k's are uint16 views of bfloat16 data; with
+    async_copy, q, k, v and dout are read by cp.async. The config is the first for the head dim
+    that fits `shared_limit` bytes of shared memory, unless `config` names one."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    config = simt_backward_config(head_dim)
-    delta_kernel, dk_dv_kernel, dq_kernel = backward_kernels(config, head_dim, causal, bf16)
+    config = config or simt_backward_config(head_dim, shared_limit)
+    delta_kernel, dk_dv_kernel, dq_kernel = backward_kernels(config, head_dim, causal, bf16,
+                                                             async_copy)
+    dk_dv_bytes, dq_bytes = simt_backward_shared_bytes(config, head_dim)
     scale = np.float32(softmax_scale)
     scale_log2 = np.float32(softmax_scale * float(LOG2E))
     delta_grid = (-(-seqlen_q // DELTA_THREADS), nheads, batch)
     launch(delta_kernel, delta_grid, DELTA_THREADS, stream, 0, dout, out, delta)
-    dk_dv_grid = (-(-seqlen_k // config.block_n), nheads, batch)
-    launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, 0,
+    dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), nheads, batch)
+    launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, dk_dv_bytes,
            q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
-    dq_grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    launch(dq_kernel, dq_grid, config.threads, stream, 0,
+    dq_grid = (-(-seqlen_q // config.dq_tiles[0]), nheads, batch)
+    launch(dq_kernel, dq_grid, config.threads, stream, dq_bytes,
            q, k, v, dout, lse, delta, dq, scale_log2, scale)

@@ -30,51 +30,13 @@ from numba import cuda, float32
 
 from numba_flash.config import (SHARED_MEMORY_BYTES, simt_forward_config,
                                 simt_forward_shared_bytes)
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
-                                    shared_tile, shfl_xor)
+from numba_flash.intrinsics import SHARED_ALIGN, exp2, shared_tile, shfl_xor
 
 from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
 from .numba_launch import launch
-from .numba_mma_tiles import make_cp_async_loader
-from .numba_tiles import make_chunked_accumulate, make_load_tile, make_tile_dot
-
-LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_loader(rows, head_dim, loaded_cols, threads, bf16, async_copy):
-    """load(tile, src, b, row0, h, nrows): tile[r, d] = src[b, row0 + r, h, d] for r < rows and
-    d < loaded_cols, zero for rows at or past nrows and columns at or past head_dim. With
-    async_copy, by cp.async (complete after cp_async_wait); else by plain loads and stores."""
-    if async_copy:
-        copy = make_cp_async_loader(head_dim, threads, itemsize=4)
-
-        @cuda.jit(device=True, inline="always")
-        def load(tile, src, b, row0, h, nrows):
-            copy(tile, 0, src, b, row0, h, nrows, rows)
-    else:
-        fill = make_load_tile(rows, head_dim, loaded_cols, threads, bf16)
-
-        @cuda.jit(device=True, inline="always")
-        def load(tile, src, b, row0, h, nrows):
-            fill(tile, src, b, row0, h, nrows, ONE)
-    return load
-
-
-@cuda.jit(device=True, inline="always")
-def _commit_copies():
-    cp_async_commit()
-
-
-@cuda.jit(device=True, inline="always")
-def _wait_copies():
-    cp_async_wait(0)
-
-
-@cuda.jit(device=True, inline="always")
-def _nothing():
-    pass
+from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
+                          make_tile_dot, make_tile_loader)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,10 +60,9 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
     P_START = V_START + 4 * BLOCK_N * ROW
     V_PAD = D_PAD - D4  # V columns that P·V reads but no load writes
     V_PAD_DIV = max(V_PAD, 1)
-    load_q_tile = _tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
-    load_kv_tile = _tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
-    commit_loads = _commit_copies if async_copy else _nothing
-    wait_loads = _wait_copies if async_copy else _nothing
+    load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
+    load_kv_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
+    commit_loads, wait_loads = copy_fences(async_copy)
     tile_scores = make_tile_dot(TM, TN, LANE_ROWS, LANE_COLS, D4)
     accumulate_pv = make_chunked_accumulate(TM, CHUNKS, LANE_ROWS, LANE_COLS, BLOCK_N)
     encode = float32_to_bf16_bits if bf16 else unchanged
@@ -139,16 +100,16 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
 
         # Load: the Q tile and the first K tile.
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
-        load_q_tile(q_tile, q, b, m0, h, seqlen_q)
+        load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
         if n_end > 0:
-            load_kv_tile(k_tile, k, b, 0, h, seqlen_k)
+            load_kv_tile(k_tile, 0, k, b, 0, h, seqlen_k)
         commit_loads()
 
         for n0 in range(0, n_end, BLOCK_N):
             wait_loads()
             cuda.syncthreads()  # why: K tile (and Q) complete; P·V of the last tile is done
             # Load: this tile's V, in flight while the scores and the softmax run.
-            load_kv_tile(v_tile, v, b, n0, h, seqlen_k)
+            load_kv_tile(v_tile, 0, v, b, n0, h, seqlen_k)
             commit_loads()
 
             # Scores: S = Q Kᵀ for this thread's register tile, in log2 units.
@@ -188,11 +149,11 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
             cuda.syncthreads()  # why: V tile complete, P tile written; K tile reads are done
             # Load: the next K tile, in flight while P·V runs.
             if n0 + BLOCK_N < n_end:
-                load_kv_tile(k_tile, k, b, n0 + BLOCK_N, h, seqlen_k)
+                load_kv_tile(k_tile, 0, k, b, n0 + BLOCK_N, h, seqlen_k)
             commit_loads()
 
             # Accumulate: acc += P V.
-            accumulate_pv(acc, p_tile, v_tile, ty, tx)
+            accumulate_pv(acc, p_tile, v_tile, ty, tx, 0)
         wait_loads()  # (with no key tile, the Q copies are still in flight)
 
         # Epilogue: l = the row's 8 lanes' shares; out = acc / l; lse = m + log(l).

@@ -1,59 +1,97 @@
-"""Device functions shared by the SIMT kernels: tile loads/stores and register-tiled products.
+"""Device functions shared by the SIMT kernels: tile loads, register-tiled products, stores.
 
 Every factory is cached on its compile-time constants, so each kernel closes over device
 functions specialised to its tile shape.
 
-Shared tiles are float32 `[rows][row_stride(...)]`, 16-byte aligned, so that four consecutive
-columns are one 16-byte load (numba_flash.intrinsics.load_f32x4). The row stride is the padded
-head dim + 4: row r then starts 4 banks after row r-1, so eight lanes reading 16 bytes from eight
-different rows hit all 32 banks once.
+Shared tiles are float32, 16-byte aligned, rows of the padded head dim + 4 floats, so that four
+consecutive columns are one 16-byte load (numba_flash.intrinsics.load_f32x4) and row r starts 4
+banks after row r-1: eight lanes reading 16 bytes from eight consecutive rows hit all 32 banks
+once.
 
-Thread (ty, tx) of a threads_y x threads_x block owns, of a score tile, rows ty + threads_y*i
-and columns tx + threads_x*j; of an output tile (width head_dim), rows ty + threads_y*i and the
-contiguous columns tx*cols_per_thread + j (so it reads them from shared memory 16 bytes at a
-time).
+The kernels' warps own bands of rows; a warp's lanes are 4 row groups (ty) x 8 column groups
+(tx). A thread owns, of a score tile, rows ty + 4*i of its warp's band and columns tx + 8*j;
+of an output tile (width: the padded head dim), the same rows and the columns of 4-wide chunks
+interleaved over the column groups, (8*c + tx)*4 + e, so that the 8 lanes reading one chunk
+each read 128 consecutive bytes (one shared-memory wavefront).
 """
 import functools
 
 from numba import cuda, float32
 
-from numba_flash.intrinsics import load_f32x4
+from numba_flash.intrinsics import cp_async_commit, cp_async_wait, load_f32x4
 
 from .numba_bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
+from .numba_mma_tiles import make_cp_async_loader
 
-
-def row_stride(padded_head_dim):
-    """Floats per shared-memory row of a Q/K/V/dO tile."""
-    return padded_head_dim + 4
+LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_tile(rows, head_dim, padded_head_dim, threads, bf16=False):
-    """load_tile(tile, src, b, row0, h, nrows, scale): tile[r, d] = src[b, row0+r, h, d] * scale,
-    zero for r >= nrows - row0 or d >= head_dim. Consecutive threads read consecutive d
-    (coalesced in the (batch, seqlen, nheads, headdim) layout). With bf16, src holds bfloat16
-    bit patterns."""
-    count = rows * padded_head_dim
+def make_plain_loader(rows, head_dim, loaded_cols, threads, bf16=False):
+    """load(tile, tile_row0, src, b, row0, h, nrows): tile[tile_row0 + r, d] =
+    src[b, row0 + r, h, d] for r < rows and d < loaded_cols, zero for rows at or past nrows and
+    columns at or past head_dim. Consecutive threads read consecutive d (coalesced in the
+    (batch, seqlen, nheads, headdim) layout). With bf16, src holds bfloat16 bit patterns."""
+    count = rows * loaded_cols
     to_float32 = bf16_bits_to_float32 if bf16 else float32
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(tile, src, b, row0, h, nrows, scale):
+    def load(tile, tile_row0, src, b, row0, h, nrows):
         for idx in range(cuda.threadIdx.x, count, threads):
-            r = idx // padded_head_dim
-            d = idx % padded_head_dim
+            r = idx // loaded_cols
+            d = idx % loaded_cols
             value = float32(0.0)
             if row0 + r < nrows and d < head_dim:
-                value = to_float32(src[b, row0 + r, h, d]) * scale
-            tile[r, d] = value
+                value = to_float32(src[b, row0 + r, h, d])
+            tile[tile_row0 + r, d] = value
 
-    return load_tile
+    return load
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_loader(rows, head_dim, loaded_cols, threads, bf16, async_copy):
+    """load(tile, tile_row0, src, b, row0, h, nrows): as make_plain_loader; with async_copy by
+    cp.async (float32 rows of head_dim = loaded_cols floats, 16-byte aligned), complete only
+    after the wait of copy_fences."""
+    if not async_copy:
+        return make_plain_loader(rows, head_dim, loaded_cols, threads, bf16)
+    copy = make_cp_async_loader(head_dim, threads, itemsize=4)
+
+    @cuda.jit(device=True, inline="always")
+    def load(tile, tile_row0, src, b, row0, h, nrows):
+        copy(tile, tile_row0, src, b, row0, h, nrows, rows)
+
+    return load
+
+
+@cuda.jit(device=True, inline="always")
+def _commit_copies():
+    cp_async_commit()
+
+
+@cuda.jit(device=True, inline="always")
+def _wait_copies():
+    cp_async_wait(0)
+
+
+@cuda.jit(device=True, inline="always")
+def _nothing():
+    pass
+
+
+def copy_fences(async_copy):
+    """(commit, wait): close the group of cp.async copies issued since the last commit; wait
+    until every committed group has landed. With plain loads (no cp.async: GPUs before sm_80
+    among them) both do nothing."""
+    return (_commit_copies, _wait_copies) if async_copy else (_nothing, _nothing)
 
 
 @functools.lru_cache(maxsize=None)
 def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, padded_head_dim):
     """tile_dot(s, a_tile, b_tile, ty, tx): s[i, j] = sum_d a_tile[ty + TY*i, d] *
-    b_tile[tx + TX*j, d] (a register tile of A·Bᵀ, e.g. the scores q_tile·k_tileᵀ).
-    d runs over the padded head dim four columns at a time: one 16-byte load per row."""
+    b_tile[tx + TX*j, d] (a register tile of A·Bᵀ, e.g. the scores q_tile·k_tileᵀ; an offset
+    added to tx picks a B tile further down b_tile). d runs over padded_head_dim four columns
+    at a time: one 16-byte load per row."""
     A_SHAPE = (rows_per_thread, 4)
 
     @cuda.jit(device=True, inline="always")
@@ -74,49 +112,23 @@ def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, padded
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_accumulate(rows_per_thread, cols_per_thread, threads_y, inner):
-    """tile_accumulate(acc, p_tile, b_tile, ty, tx): acc[i, j] += sum_n p_tile[ty + TY*i, n] *
-    b_tile[n, tx*cols_per_thread + j] for n < inner (a register tile of P·B, e.g. P·V).
-    Both operands are read 16 bytes at a time; each B vector serves all of the thread's rows."""
-    P_SHAPE = (rows_per_thread, 4)
-
-    @cuda.jit(device=True, inline="always")
-    def tile_accumulate(acc, p_tile, b_tile, ty, tx):
-        p = cuda.local.array(P_SHAPE, float32)
-        col0 = tx * cols_per_thread
-        for n in range(0, inner, 4):
-            for i in range(rows_per_thread):
-                p[i, 0], p[i, 1], p[i, 2], p[i, 3] = load_f32x4(p_tile, ty + threads_y * i, n)
-            for k in range(4):
-                for j in range(0, cols_per_thread, 4):
-                    b0, b1, b2, b3 = load_f32x4(b_tile, n + k, col0 + j)
-                    for i in range(rows_per_thread):
-                        acc[i, j] += p[i, k] * b0
-                        acc[i, j + 1] += p[i, k] * b1
-                        acc[i, j + 2] += p[i, k] * b2
-                        acc[i, j + 3] += p[i, k] * b3
-
-    return tile_accumulate
-
-
-@functools.lru_cache(maxsize=None)
 def make_chunked_accumulate(rows_per_thread, chunks, threads_y, threads_x, inner):
-    """accumulate(acc, p_tile, b_tile, ty, tx): acc[i, 4c + e] += sum_n p_tile[ty + TY*i, n] *
-    b_tile[n, (threads_x*c + tx)*4 + e] for n < inner, c < chunks, e < 4 (a register tile of
-    P·B whose columns come in 4-wide chunks interleaved over the threads_x column groups, so
-    that 8 lanes reading one chunk each read 128 consecutive bytes: one shared-memory
-    wavefront, where contiguous per-thread columns take two)."""
+    """accumulate(acc, p_tile, b_tile, ty, tx, b_row0): acc[i, 4c + e] += sum_n p_tile[ty +
+    TY*i, n] * b_tile[b_row0 + n, (threads_x*c + tx)*4 + e] for n < inner, c < chunks, e < 4
+    (b_row0: where the B tile starts in b_tile, e.g. one of two stages; a register tile of
+    P·B whose columns come in 4-wide chunks interleaved over the threads_x column groups)."""
     P_SHAPE = (rows_per_thread, 4)
 
     @cuda.jit(device=True, inline="always")
-    def accumulate(acc, p_tile, b_tile, ty, tx):
+    def accumulate(acc, p_tile, b_tile, ty, tx, b_row0):
         p = cuda.local.array(P_SHAPE, float32)
         for n in range(0, inner, 4):
             for i in range(rows_per_thread):
                 p[i, 0], p[i, 1], p[i, 2], p[i, 3] = load_f32x4(p_tile, ty + threads_y * i, n)
             for k in range(4):
                 for c in range(chunks):
-                    b0, b1, b2, b3 = load_f32x4(b_tile, n + k, (threads_x * c + tx) * 4)
+                    b0, b1, b2, b3 = load_f32x4(b_tile, b_row0 + n + k,
+                                                (threads_x * c + tx) * 4)
                     for i in range(rows_per_thread):
                         acc[i, 4 * c] += p[i, k] * b0
                         acc[i, 4 * c + 1] += p[i, k] * b1
@@ -127,20 +139,21 @@ def make_chunked_accumulate(rows_per_thread, chunks, threads_y, threads_x, inner
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_tile(rows_per_thread, cols_per_thread, threads_y, head_dim, bf16=False):
-    """store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
-    tx*cols_per_thread + j] = acc[i, j] * scale for rows < nrows and columns < head_dim. With
-    bf16, dst takes bfloat16 bit patterns."""
+def make_chunked_store(rows_per_thread, chunks, threads_y, threads_x, head_dim, bf16=False):
+    """store(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
+    (threads_x*c + tx)*4 + e] = acc[i, 4c + e] * scale for rows < nrows and columns < head_dim
+    (the layout of make_chunked_accumulate). With bf16, dst takes bfloat16 bit patterns."""
     encode = float32_to_bf16_bits if bf16 else unchanged
 
     @cuda.jit(device=True, inline="always")
-    def store_tile(dst, acc, b, row0, h, nrows, ty, tx, scale):
+    def store(dst, acc, b, row0, h, nrows, ty, tx, scale):
         for i in range(rows_per_thread):
             row = row0 + ty + threads_y * i
             if row < nrows:
-                for j in range(cols_per_thread):
-                    col = tx * cols_per_thread + j
-                    if col < head_dim:
-                        dst[b, row, h, col] = encode(acc[i, j] * scale)
+                for c in range(chunks):
+                    for e in range(4):
+                        col = (threads_x * c + tx) * 4 + e
+                        if col < head_dim:
+                            dst[b, row, h, col] = encode(acc[i, 4 * c + e] * scale)
 
-    return store_tile
+    return store

@@ -25,3 +25,8 @@ def warp_exchange(value):
 
 def lane_id():
     return threading.current_thread().thread_id % WARP_SIZE
+
+
+def warp_barrier():
+    """A warp barrier (__syncwarp): the simulator's threads meet at a block barrier."""
+    threading.current_thread().syncthreads()

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 SHARED_MEMORY_BYTES = 48 * 1024
 
 
+def simt_padded_head_dim(head_dim):
+    """The SIMT kernels' output tile width: head_dim rounded up to whole 4-wide column chunks
+    for each of a warp's 8 column groups."""
+    return -(-head_dim // 32) * 32
+
+
 @dataclass(frozen=True)
 class SimtForwardConfig:
     """Tile shape of the SIMT forward: `warps` warps, each owning 4·rows_per_thread query rows
@@ -34,10 +40,7 @@ class SimtForwardConfig:
     def threads(self):
         return 32 * self.warps
 
-    @staticmethod
-    def padded_head_dim(head_dim):
-        """head_dim rounded up to whole 4-wide column chunks for each of 8 column groups."""
-        return -(-head_dim // 32) * 32
+    padded_head_dim = staticmethod(simt_padded_head_dim)
 
 
 def simt_forward_shared_bytes(config, head_dim):
@@ -81,55 +84,6 @@ def simt_forward_config(head_dim, shared_limit=SHARED_MEMORY_BYTES):
                      f"of shared memory")
 
 
-@dataclass(frozen=True)
-class SimtConfig:
-    """Tile shape of a SIMT kernel.
-
-    block_m x block_n is the score tile; the block has threads_y x threads_x threads. Thread
-    (ty, tx) owns score rows ty + threads_y*i and columns tx + threads_x*j, and the output
-    columns tx + threads_x*j of its rows, so each thread holds a small register tile.
-    """
-
-    block_m: int
-    block_n: int
-    threads_x: int
-    threads_y: int
-
-    def __post_init__(self):
-        # The kernels assume these: register tiles divide the block tiles evenly (both ways,
-        # since the backward transposes the score tile), and rows of P / dS are read 16 bytes
-        # at a time.
-        for block in (self.block_m, self.block_n):
-            for threads in (self.threads_x, self.threads_y):
-                if block % threads:
-                    raise ValueError(f"{self}: tile size {block} is not a multiple of {threads}")
-            if block % 4:
-                raise ValueError(f"{self}: tile sizes must be multiples of 4")
-        if self.threads_x % 4:
-            raise ValueError(f"{self}: threads_x must be a multiple of 4")
-
-    @property
-    def threads(self):
-        return self.threads_x * self.threads_y
-
-    def padded_head_dim(self, head_dim):
-        """head_dim rounded up so that each of the threads_x column groups is a whole number of
-        16-byte vectors (padded columns hold zeros)."""
-        quantum = 4 * self.threads_x
-        return -(-head_dim // quantum) * quantum
-
-
-# The backward entries fit in 48 KiB of static shared memory (backward_shared_bytes, checked in
-# tests/test_config.py). They are shapes of the first SIMT forward shrunk to hold six tiles;
-# not yet tuned.
-_SIMT_BACKWARD = (
-    (32, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
-    (64, SimtConfig(block_m=32, block_n=32, threads_x=8, threads_y=16)),
-    (128, SimtConfig(block_m=16, block_n=16, threads_x=8, threads_y=8)),
-    (256, SimtConfig(block_m=8, block_n=8, threads_x=8, threads_y=8)),
-)
-
-
 def _lookup(table, head_dim):
     """The config of the first row of (max head_dim, config) that covers head_dim, or None."""
     for max_head_dim, config in table:
@@ -145,16 +99,78 @@ def _pick(table, head_dim):
     return config
 
 
-def simt_backward_config(head_dim):
+@dataclass(frozen=True)
+class SimtBackwardConfig:
+    """Tile shapes of the SIMT backward's two kernels, each laid out as the forward (warps own
+    row bands of 4·rows_per_thread rows; lanes 4 row groups x 8 column groups).
+    dk/dv: a block per key tile of 4·warps·key_rows keys, streaming query tiles of
+    8·query_cols queries; dq: a block per query tile of 4·warps·query_rows queries, streaming
+    key tiles of 8·key_cols keys. With stages = 2 the streamed tiles are double-buffered (the
+    next tile's copy runs while this one is used); with 1, one buffer and a second barrier."""
+
+    warps: int
+    key_rows: int
+    query_cols: int
+    query_rows: int
+    key_cols: int
+    stages: int = 2
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def dk_dv_tiles(self):
+        """(keys per block, queries per streamed tile) of the dk/dv kernel."""
+        return 4 * self.warps * self.key_rows, 8 * self.query_cols
+
+    @property
+    def dq_tiles(self):
+        """(queries per block, keys per streamed tile) of the dq kernel."""
+        return 4 * self.warps * self.query_rows, 8 * self.key_cols
+
+    padded_head_dim = staticmethod(simt_padded_head_dim)
+
+
+def simt_backward_shared_bytes(config, head_dim):
+    """(dk/dv kernel, dq kernel) dynamic shared memory of the SIMT backward: the block's two
+    tiles (K, V or Q, dO), `stages` pairs of streamed tiles, the P and dS tiles (dq: dS only)
+    and, for dk/dv, `stages` rows of lse and D values."""
+    row = config.padded_head_dim(head_dim) + 4
+    keys, queries = config.dk_dv_tiles
+    dk_dv = ((2 * keys + 2 * config.stages * queries) * row + 2 * keys * (queries + 8)
+             + 2 * config.stages * queries)
+    queries, keys = config.dq_tiles
+    dq = (2 * queries + 2 * config.stages * keys) * row + queries * (keys + 8)
+    return 4 * dk_dv, 4 * dq
+
+
+# Candidates per head dim, fastest first, as for the forward; the last of each fits 48 KiB.
+# Not yet timed (first guesses from the forward's tune: 4 warps, small per-thread tiles, since
+# each thread holds two score tiles and two accumulators in dk/dv).
+_SIMT_BACKWARD = (  # (max head_dim, candidates)
+    (64, (SimtBackwardConfig(4, 4, 4, 8, 4), SimtBackwardConfig(4, 4, 4, 4, 4),
+          SimtBackwardConfig(2, 2, 4, 4, 4, stages=1))),
+    (128, (SimtBackwardConfig(4, 2, 4, 4, 4), SimtBackwardConfig(2, 4, 4, 4, 4, stages=1),
+           SimtBackwardConfig(1, 2, 2, 2, 2, stages=1))),
+    (256, (SimtBackwardConfig(4, 2, 4, 2, 4), SimtBackwardConfig(2, 1, 4, 1, 4, stages=1),
+           SimtBackwardConfig(1, 1, 2, 1, 2, stages=1))),
+)
+
+
+def simt_backward_candidates(head_dim):
+    """The SIMT backward's configs for head_dim, fastest first."""
     return _pick(_SIMT_BACKWARD, head_dim)
 
 
-def backward_shared_bytes(config, head_dim):
-    """Shared memory of the larger SIMT backward kernel (dk/dv): q, dO, k, v, P, dS tiles."""
-    row = config.padded_head_dim(head_dim) + 4
-    tile = max(config.block_m, config.block_n)
-    floats = 2 * (config.block_m + config.block_n) * row + 2 * tile * (tile + config.threads_x)
-    return 4 * (floats + 2 * config.block_m)
+def simt_backward_config(head_dim, shared_limit=SHARED_MEMORY_BYTES):
+    """The SIMT backward's config for head_dim on a GPU that gives a block `shared_limit`
+    bytes of shared memory."""
+    for config in simt_backward_candidates(head_dim):
+        if max(simt_backward_shared_bytes(config, head_dim)) <= shared_limit:
+            return config
+    raise ValueError(f"no SIMT backward config for headdim {head_dim} fits {shared_limit} "
+                     f"bytes of shared memory")
 
 
 #: Tensor-core kernels keep 16-bit tiles in dynamic shared memory, rows of head_dim halves padded

@@ -483,6 +483,18 @@ def _make_shfl_xor():
     return shfl_xor
 
 
+# -- warp barrier ----------------------------------------------------------------------------------
+
+def _make_syncwarp():
+    from numba import cuda
+
+    @cuda.jit(device=True, inline="always")
+    def syncwarp():
+        cuda.syncwarp(0xFFFFFFFF)
+
+    return syncwarp
+
+
 # -- tiles of dynamic shared memory ---------------------------------------------------------------
 
 @intrinsic
@@ -567,6 +579,7 @@ if SIMULATED:
     cp_async_16 = _cp_async_16_python
     cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
     shfl_xor = _shfl_xor_python
+    syncwarp = _sim_warp.warp_barrier
     exp2 = _exp2_python
     shared_tile = _shared_tile_python
 else:
@@ -583,6 +596,7 @@ else:
     cp_async_16 = _cp_async_16
     cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
     shfl_xor = _make_shfl_xor()
+    syncwarp = _make_syncwarp()
     exp2 = _exp2
     shared_tile = _shared_tile
 

@@ -32,7 +32,8 @@ from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa:
 from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  # noqa: E402
                                 mma_backward_config, mma_backward_shared_bytes,
                                 mma_forward_config, mma_forward_shared_bytes,
-                                simt_backward_config, simt_forward_candidates,
+                                simt_backward_candidates, simt_backward_config,
+                                simt_backward_shared_bytes, simt_forward_candidates,
                                 simt_forward_config, simt_forward_shared_bytes)
 
 #: shared memory a block may opt in to, per compute capability (the SIMT forward's configs go
@@ -74,9 +75,10 @@ def ptxas_report(ptxas, ptx, cc):
 
 def kernel_cases(head_dims, dtypes, cc, all_configs=False):
     """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
-    (head_dim, causal, dtype). The forward is built for the config it takes on a GPU of this
-    compute capability (or, with all_configs, for each candidate, the shape in its name), with
-    plain loads and, for float32, with cp.async loads (name ending in _async)."""
+    (head_dim, causal, dtype). The forward and the backward are built for the configs they take
+    on a GPU of this compute capability (or, with all_configs, for each candidate, the shape in
+    the name), with plain loads and, for float32, with cp.async loads (names ending in _async).
+    """
     shared_limit = OPT_IN_SHARED_BYTES.get(cc, MMA_SHARED_MEMORY_BYTES)
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
@@ -97,14 +99,26 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                                 f"{'_' + shape if all_configs else ''}")
                         yield (name, fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
                                simt_forward_shared_bytes(config, head_dim))
-                delta, dk_dv, dq = backward_kernel_functions(
-                    simt_backward_config(head_dim), head_dim, causal, bf16)
-                if not causal:  # the delta kernel does not depend on causal
-                    yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0
-                yield (f"bwd_dk_dv_{tag}", dk_dv,
-                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, float32)", 0)
-                yield (f"bwd_dq_{tag}", dq,
-                       f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)", 0)
+                configs = (simt_backward_candidates(head_dim) if all_configs
+                           else [simt_backward_config(head_dim, shared_limit)])
+                for config in configs:
+                    shape = "x".join(map(str, (config.warps, config.key_rows, config.query_cols,
+                                               config.query_rows, config.key_cols,
+                                               config.stages)))
+                    dk_dv_bytes, dq_bytes = simt_backward_shared_bytes(config, head_dim)
+                    for async_copy in loads:
+                        delta, dk_dv, dq = backward_kernel_functions(config, head_dim, causal,
+                                                                     bf16, async_copy)
+                        end = (f"{'_async' if async_copy else ''}"
+                               f"{'_' + shape if all_configs else ''}")
+                        if not causal and not async_copy and config == configs[0]:
+                            yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0  # (one)
+                        yield (f"bwd_dk_dv_{tag}{end}", dk_dv,
+                               f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, "
+                               f"float32)", dk_dv_bytes)
+                        yield (f"bwd_dq_{tag}{end}", dq,
+                               f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)",
+                               dq_bytes)
 
 
 MMA_DTYPES = ("float16", "bfloat16")

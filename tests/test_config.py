@@ -1,22 +1,37 @@
 """Tile configurations: every entry fits its shared-memory limit and divides evenly."""
 import pytest
 
-from numba_flash.config import (SHARED_MEMORY_BYTES, SimtForwardConfig, backward_shared_bytes,
-                                simt_backward_config, simt_forward_candidates,
+from numba_flash.config import (SHARED_MEMORY_BYTES, SimtBackwardConfig, SimtForwardConfig,
+                                simt_backward_candidates, simt_backward_config,
+                                simt_backward_shared_bytes, simt_forward_candidates,
                                 simt_forward_config, simt_forward_shared_bytes)
 
 HEAD_DIMS = [1, 16, 32, 33, 64, 65, 96, 128, 129, 200, 256]
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_backward_configs_fit_and_divide(head_dim):
-    config = simt_backward_config(head_dim)
-    assert backward_shared_bytes(config, head_dim) <= SHARED_MEMORY_BYTES
-    padded = config.padded_head_dim(head_dim)
-    assert padded >= head_dim and padded % (4 * config.threads_x) == 0
-    assert config.block_m % config.threads_y == 0 and config.block_n % config.threads_y == 0
-    assert config.block_m % config.threads_x == 0 and config.block_n % config.threads_x == 0
-    assert config.block_m % 4 == 0 and config.block_n % 4 == 0  # 16-byte reads of P
+def test_backward_candidates_end_with_one_that_fits_48_kib(head_dim):
+    candidates = simt_backward_candidates(head_dim)
+    assert max(simt_backward_shared_bytes(candidates[-1], head_dim)) <= SHARED_MEMORY_BYTES
+    for config in candidates:
+        assert config.stages in (1, 2)
+        keys, queries = config.dk_dv_tiles
+        assert queries <= config.threads  # a thread per row of the lse and D tiles
+        assert queries % 4 == 0 and config.dq_tiles[1] % 4 == 0  # 16-byte reads of P, dS
+
+
+def test_backward_config_is_the_first_candidate_that_fits():
+    first, fallback = simt_backward_candidates(64)[0], simt_backward_candidates(64)[-1]
+    assert simt_backward_config(64, 227 * 1024) == first
+    assert simt_backward_config(64) == fallback
+    # dk/dv: K, V of 64 keys, two stages of Q, dO of 32 queries, P and dS, two stages of
+    # lse and D; dq: Q, dO of 64 queries, two stages of K, V of 32 keys, dS.
+    config = SimtBackwardConfig(4, 4, 4, 4, 4)
+    assert simt_backward_shared_bytes(config, 64) == (
+        4 * ((2 * 64 + 2 * 2 * 32) * 68 + 2 * 64 * 40 + 2 * 2 * 32),
+        4 * ((2 * 64 + 2 * 2 * 32) * 68 + 64 * 40))
+    with pytest.raises(ValueError, match="no SIMT backward config for headdim 64 fits 1024"):
+        simt_backward_config(64, 1024)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -46,12 +61,3 @@ def test_head_dim_above_256_is_refused():
         simt_forward_config(257)
     with pytest.raises(ValueError, match="headdim must be <= 256; got 257"):
         simt_backward_config(257)
-
-
-@pytest.mark.parametrize("shape, message", [((64, 30, 8, 16), "30 is not a multiple of 8"),
-                                            ((24, 24, 8, 16), "24 is not a multiple of 16"),
-                                            ((12, 12, 6, 6), "multiple")])
-def test_invalid_configs_are_refused(shape, message):
-    from numba_flash.config import SimtConfig
-    with pytest.raises(ValueError, match=message):
-        SimtConfig(*shape)
