@@ -29,7 +29,7 @@ for stage in "$@"; do
         tests)
             timeout 560 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
                 tests/test_launch.py tests/test_call_cache.py tests/test_intrinsics.py \
-                tests/test_mma_forward.py tests/test_simt_forward.py \
+                tests/test_mma_forward.py tests/test_simt_forward.py tests/test_simt_backward.py \
                 tests/test_mma_backward.py \
                 tests/test_gpu.py \
                 tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
