@@ -146,11 +146,13 @@ def simt_backward_shared_bytes(config, head_dim):
 
 
 # Candidates per head dim, fastest first, as for the forward; the last of each fits 48 KiB.
-# Not yet timed (first guesses from the forward's tune: 4 warps, small per-thread tiles, since
-# each thread holds two score tiles and two accumulators in dk/dv).
+# From scripts/tune_simt.py --passes bwd on an H200, N = 4096, float32, full, cp.async loads
+# (docs/tune_simt_bwd_2026-11-30.log, backward alone): d64 (4, 4, 4, 4, 4) 20.2 TFLOP/s, tied
+# with (4, 4, 4, 8, 4) (122 KiB) and taken for fitting 99 KiB, (2, 2, 4, 4, 4, 1 stage) 17.8;
+# d128 (4, 2, 4, 4, 4) 16.2 (142 KiB), (2, 4, 4, 4, 4, 1 stage) 15.9 (76 KiB),
+# (1, 2, 2, 2, 2, 1 stage) 11.3. d32 and d256 are reasoned from those, not yet timed.
 _SIMT_BACKWARD = (  # (max head_dim, candidates)
-    (64, (SimtBackwardConfig(4, 4, 4, 8, 4), SimtBackwardConfig(4, 4, 4, 4, 4),
-          SimtBackwardConfig(2, 2, 4, 4, 4, stages=1))),
+    (64, (SimtBackwardConfig(4, 4, 4, 4, 4), SimtBackwardConfig(2, 2, 4, 4, 4, stages=1))),
     (128, (SimtBackwardConfig(4, 2, 4, 4, 4), SimtBackwardConfig(2, 4, 4, 4, 4, stages=1),
            SimtBackwardConfig(1, 2, 2, 2, 2, stages=1))),
     (256, (SimtBackwardConfig(4, 2, 4, 2, 4), SimtBackwardConfig(2, 1, 4, 1, 4, stages=1),
