@@ -236,6 +236,21 @@ class NumbaBackend(Backend):
                                     softmax_scale, stream)
         return tuple(grads)
 
+    # -- inputs for cp.async (both engines) -----------------------------------------------------
+
+    def _cp_async_input(self, x, ref, head_dim, stream, bits=False):
+        """x's view (with bits, of its 16-bit patterns) if cp.async can read it in place (see
+        is_tile_ready), else an aligned copy, zero-padded to head_dim columns."""
+        from .numba_copy import copy_padded
+        view = self._view(x, bits=bits)
+        if is_tile_ready(view, head_dim):
+            return view
+        shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
+        copy = self._view(self._new(ref, shape, "int16" if bits else view.dtype.name),
+                          bits=bits)
+        copy_padded(view, copy, stream)
+        return copy
+
     # -- the SIMT engine ------------------------------------------------------------------------
 
     def _simt_loads(self, q):
@@ -280,20 +295,7 @@ class NumbaBackend(Backend):
         launch_backward(*inputs, *views, causal, softmax_scale, stream, bf16=bf16,
                         async_copy=async_copy, shared_limit=shared_limit)
 
-    # -- the tensor-core engine: 16-bit views, padded or aligned copies where needed ------------
-
-    def _cp_async_input(self, x, ref, head_dim, stream, bits=False):
-        """x's view (with bits, of its 16-bit patterns) if cp.async can read it in place (see
-        is_tile_ready), else an aligned copy, zero-padded to head_dim columns."""
-        from .numba_copy import copy_padded
-        view = self._view(x, bits=bits)
-        if is_tile_ready(view, head_dim):
-            return view
-        shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
-        copy = self._view(self._new(ref, shape, "int16" if bits else view.dtype.name),
-                          bits=bits)
-        copy_padded(view, copy, stream)
-        return copy
+    # -- the tensor-core engine: 16-bit views, padded copies where needed ------------------------
 
     def _mma_output(self, x, ref, head_dim):
         """(kernel view, the copy to make into x afterwards or None) for an output array."""

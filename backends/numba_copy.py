@@ -1,7 +1,8 @@
 """copy_padded: copy a (batch, seqlen, nheads, width) array into one of another head width,
-zero-filling the columns the source lacks. The tensor-core backend uses it to hand its kernels
-contiguous, 16-byte aligned copies of inputs they cannot read in place (strided views, head dims
-that are not a multiple of 16), and to copy padded results back into the caller's arrays.
+zero-filling the columns the source lacks. The numba backends use it to hand their cp.async
+loads contiguous, 16-byte aligned copies of inputs they cannot read in place (strided views;
+for the tensor-core kernels also head dims that are not a multiple of 16), and to copy the
+tensor-core kernels' padded results back into the caller's arrays.
 """
 from numba import cuda
 

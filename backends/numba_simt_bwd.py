@@ -69,7 +69,9 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     TK, TQ, STAGES, THREADS = config.key_rows, config.query_cols, config.stages, config.threads
     BLOCK_N, BLOCK_M = config.dk_dv_tiles  # keys per block, queries per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
-    D4 = -(-head_dim // 4) * 4  # columns the products read: whole 16-byte vectors
+    # Columns the scores read: whole 16-byte vectors. The products with dO and Q read up to
+    # D_PAD; columns past D4 are never loaded, but reach only dK, dV columns never stored.
+    D4 = -(-head_dim // 4) * 4
     CHUNKS = D_PAD // (4 * LANE_COLS)
     ROW = D_PAD + 4
     P_ROW = BLOCK_M + 8
@@ -81,8 +83,6 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     DS_START = P_START + 4 * BLOCK_N * P_ROW
     LSE_START = DS_START + 4 * BLOCK_N * P_ROW
     D_START = LSE_START + 4 * STAGES * BLOCK_M
-    PAD = D_PAD - D4  # dO / Q columns that the products read but no load writes
-    PAD_DIV = max(PAD, 1)
     load_k_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
     load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
     commit_loads, wait_loads = copy_fences(async_copy)
@@ -123,9 +123,6 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
             for c in range(4 * CHUNKS):
                 dk_acc[i, c] = ZERO
                 dv_acc[i, c] = ZERO
-        for idx in range(cuda.threadIdx.x, STAGES * BLOCK_M * PAD, THREADS):
-            q_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
-            do_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
 
         # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0.
         m_begin = query_begin(causal, n0, offset, BLOCK_M)
@@ -200,7 +197,7 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
     TM, TN, STAGES, THREADS = config.query_rows, config.key_cols, config.stages, config.threads
     BLOCK_M, BLOCK_N = config.dq_tiles  # queries per block, keys per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
-    D4 = -(-head_dim // 4) * 4
+    D4 = -(-head_dim // 4) * 4  # (as in dk/dv: K's columns past D4 reach only unstored dQ)
     CHUNKS = D_PAD // (4 * LANE_COLS)
     ROW = D_PAD + 4
     DS_ROW = BLOCK_N + 8
@@ -209,8 +206,6 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
     K_START = DO_START + 4 * BLOCK_M * ROW
     V_START = K_START + 4 * STAGES * BLOCK_N * ROW
     DS_START = V_START + 4 * STAGES * BLOCK_N * ROW
-    PAD = D_PAD - D4  # K columns that dS K reads but no load writes
-    PAD_DIV = max(PAD, 1)
     load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
     load_k_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
     commit_loads, wait_loads = copy_fences(async_copy)
@@ -249,8 +244,6 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
             delta_i[i] = delta[b, h, row] if row < seqlen_q else ZERO
             for c in range(4 * CHUNKS):
                 dq_acc[i, c] = ZERO
-        for idx in range(cuda.threadIdx.x, STAGES * BLOCK_N * PAD, THREADS):
-            k_tiles[idx // PAD_DIV, D4 + idx % PAD_DIV] = ZERO
 
         # Load: Q and dO, once; K and V of the first key tile into stage 0.
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)

@@ -12,8 +12,9 @@ tiles can be larger than 48 KiB allows). Per key tile of BLOCK_N keys the block 
     load starts now and runs while the scores S = Q K_jᵀ and the softmax are computed;
   - barrier 2: V_j and P are complete; everyone has finished reading K_j, so K_{j+1}'s load
     starts now and runs while acc += P V_j is computed.
-For float32 inputs whose rows are 16-byte aligned the loads are cp.async copies (sm_80 and
-newer); otherwise each thread loads, converts (float16, bfloat16) and stores elements, which
+With async_copy (the backend's choice for float32 with head dims that are a multiple of 4 on
+sm_80 and newer, after copying views whose rows are not 16-byte aligned) the loads are cp.async
+copies; otherwise each thread loads, converts (float16, bfloat16) and stores elements, which
 then complete before the barrier that follows.
 
 Online softmax: per query row the running max `m_i` and running sum `l_i`; when the max grows,
@@ -51,15 +52,16 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
     TM, TN = config.rows_per_thread, config.keys_per_thread
     BLOCK_M, BLOCK_N, THREADS = config.block_m, config.block_n, config.threads
     D_PAD = config.padded_head_dim(head_dim)  # columns of the output register tiles
-    D4 = -(-head_dim // 4) * 4  # columns the products read: whole 16-byte vectors
+    # Columns the scores read: whole 16-byte vectors. P·V reads V up to D_PAD; the columns
+    # past D4 are never loaded, but they only reach output columns that are never stored.
+    D4 = -(-head_dim // 4) * 4
     CHUNKS = D_PAD // (4 * LANE_COLS)  # 4-wide output column chunks per thread
     ROW = D_PAD + 4  # floats per Q/K/V row: 8 lanes reading 8 rows hit 32 distinct banks
     P_ROW = BLOCK_N + 8  # floats per P row: the 4 row groups' stores hit 32 distinct banks
+    #                      (for an even keys_per_thread, as every config has)
     K_START = 4 * BLOCK_M * ROW  # byte offsets of the tiles in dynamic shared memory
     V_START = K_START + 4 * BLOCK_N * ROW
     P_START = V_START + 4 * BLOCK_N * ROW
-    V_PAD = D_PAD - D4  # V columns that P·V reads but no load writes
-    V_PAD_DIV = max(V_PAD, 1)
     load_q_tile = make_tile_loader(BLOCK_M, head_dim, D4, THREADS, bf16, async_copy)
     load_kv_tile = make_tile_loader(BLOCK_N, head_dim, D4, THREADS, bf16, async_copy)
     commit_loads, wait_loads = copy_fences(async_copy)
@@ -95,8 +97,6 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
             l_i[i] = ZERO
             for c in range(4 * CHUNKS):
                 acc[i, c] = ZERO
-        for idx in range(cuda.threadIdx.x, BLOCK_N * V_PAD, THREADS):
-            v_tile[idx // V_PAD_DIV, D4 + idx % V_PAD_DIV] = ZERO
 
         # Load: the Q tile and the first K tile.
         n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)

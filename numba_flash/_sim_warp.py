@@ -30,3 +30,13 @@ def lane_id():
 def warp_barrier():
     """A warp barrier (__syncwarp): the simulator's threads meet at a block barrier."""
     threading.current_thread().syncthreads()
+
+
+def thread_state(name, factory):
+    """A per-thread value of the calling simulated thread (made by factory() on first use),
+    e.g. the cp.async copies it has in flight. It lives as long as the thread: one block."""
+    thread = threading.current_thread()
+    state = thread.__dict__.setdefault("_numba_flash_state", {})
+    if name not in state:
+        state[name] = factory()
+    return state[name]

@@ -28,6 +28,10 @@ class SimtForwardConfig:
     rows_per_thread: int
     keys_per_thread: int
 
+    def __post_init__(self):
+        if min(self.warps, self.rows_per_thread, self.keys_per_thread) < 1:
+            raise ValueError(f"{self}: every field must be >= 1")
+
     @property
     def block_m(self):
         return 4 * self.warps * self.rows_per_thread
@@ -114,6 +118,12 @@ class SimtBackwardConfig:
     query_rows: int
     key_cols: int
     stages: int = 2
+
+    def __post_init__(self):
+        if min(self.warps, self.key_rows, self.query_cols, self.query_rows, self.key_cols) < 1:
+            raise ValueError(f"{self}: every tile field must be >= 1")
+        if self.stages not in (1, 2):
+            raise ValueError(f"{self}: stages must be 1 or 2")
 
     @property
     def threads(self):

@@ -4,9 +4,10 @@ Under NUMBA_ENABLE_CUDASIM=1 kernels run as Python, where an @intrinsic cannot b
 every public name here is bound at import time to either the compiled intrinsic (PTX through
 llvmlite inline assembly) or its Python twin; kernels call the name and run unchanged in both.
 
-Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values through block barriers
-(numba_flash._sim_warp), so in kernels they must be called by every thread of the block
-together, like syncthreads().
+Warp-collective twins (mma, ldmatrix, shuffles, syncwarp) exchange lane values or meet through
+block barriers (numba_flash._sim_warp), so in kernels they must be called by every thread of
+the block together, like syncthreads(). The cp.async twin keeps each thread's copies in flight
+(their bytes NaN) until a cp_async_wait covers them, as the hardware may.
 
 Register fragments of f16/bf16 data are uint32 holding two 16-bit values, the first element
 in the low half. Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix Fragments for
@@ -422,14 +423,23 @@ def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
 
 
 def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
-    """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does."""
+    """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does, but
+    only when a cp_async_wait covers the copy: until then the 16 bytes hold NaN patterns, so a
+    kernel that reads a tile before waiting for it computes garbage in the simulator too."""
     _check_aligned(dst, drow, dcol)
     _check_aligned(src, b, n, h, d)
     if not 0 <= src_bytes <= 16:
         raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
     count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize
-    dst[drow, dcol:dcol + copied] = src[b, n, h, d:d + copied]
-    dst[drow, dcol + copied:dcol + count] = 0
+    values = np.zeros(count, dst.dtype)
+    values[:copied] = src[b, n, h, d:d + copied]  # (read at issue, as the hardware may)
+    dst[drow, dcol:dcol + count].view(_NOT_YET_COPIED[dst.itemsize].dtype)[:] = \
+        _NOT_YET_COPIED[dst.itemsize]
+    _sim_warp.thread_state("cp_async_issued", list).append((dst, drow, dcol, values))
+
+
+# In flight: float NaN; for 16-bit patterns 0xFFFF, a NaN in float16 and in bfloat16.
+_NOT_YET_COPIED = {4: np.float32(np.nan).view(np.uint32), 2: np.uint16(0xFFFF)}
 
 
 @intrinsic
@@ -459,11 +469,18 @@ def _cp_async_wait(typingctx, pending):
 
 
 def _cp_async_commit_python():
-    pass  # the Python copy completed at once
+    """Close the group of this thread's copies issued since its last commit."""
+    groups = _sim_warp.thread_state("cp_async_groups", list)
+    groups.append(_sim_warp.thread_state("cp_async_issued", list)[:])
+    _sim_warp.thread_state("cp_async_issued", list).clear()
 
 
 def _cp_async_wait_python(pending):
-    pass
+    """Land this thread's committed groups but the newest `pending` ones."""
+    groups = _sim_warp.thread_state("cp_async_groups", list)
+    while len(groups) > pending:
+        for dst, drow, dcol, values in groups.pop(0):
+            dst[drow, dcol:dcol + len(values)] = values
 
 
 # -- warp shuffle ----------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Uses libNVVM from pip (numba-cuda[cu13]). For each kernel it reports whether the
 local memory (`__local_depot`: a register array placed in memory), counts the key instructions,
 and, when a ptxas of the same CUDA release is installed (the `test` extra brings it), the
 registers, spill bytes and static shared memory from `ptxas -v`, beside the dynamic shared
-memory the configs ask for. Prints one JSON object per kernel; exits 1 if any kernel uses local
-memory, spills, or needs over 48 KiB of static or more dynamic shared memory than a block may
-have on the target (OPT_IN_SHARED_BYTES; 99 KiB for targets not listed).
+memory the configs ask for. Prints one JSON object per kernel; exits 1 if ptxas refuses a kernel
+or any kernel uses local memory, spills, or needs over 48 KiB of static shared memory or more
+dynamic shared memory than allowed (tensor cores: MMA_SHARED_MEMORY_BYTES; SIMT: what a block
+may have on the target, OPT_IN_SHARED_BYTES).
 
     python scripts/ptx_check.py --cc 80 90
 """
@@ -36,9 +37,11 @@ from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  #
                                 simt_backward_shared_bytes, simt_forward_candidates,
                                 simt_forward_config, simt_forward_shared_bytes)
 
-#: shared memory a block may opt in to, per compute capability (the SIMT forward's configs go
-#: up to it on such GPUs; the tensor-core configs stay within MMA_SHARED_MEMORY_BYTES)
-OPT_IN_SHARED_BYTES = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024}
+#: shared memory a block may opt in to, per compute capability (48 KiB for those not listed):
+#: the SIMT kernels' configs go up to it; the tensor-core ones stay within
+#: MMA_SHARED_MEMORY_BYTES
+OPT_IN_SHARED_BYTES = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
+                       87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
            "mma.sync", "ldmatrix", "cp.async.cg")
@@ -75,11 +78,11 @@ def ptxas_report(ptxas, ptx, cc):
 
 def kernel_cases(head_dims, dtypes, cc, all_configs=False):
     """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
-    (head_dim, causal, dtype). The forward and the backward are built for the configs they take
-    on a GPU of this compute capability (or, with all_configs, for each candidate, the shape in
-    the name), with plain loads and, for float32, with cp.async loads (names ending in _async).
-    """
-    shared_limit = OPT_IN_SHARED_BYTES.get(cc, MMA_SHARED_MEMORY_BYTES)
+    (head_dim, causal, dtype). The forward and the backward are built as the backend runs them
+    on a GPU of this compute capability: its config (or, with all_configs, each candidate, the
+    shape in the name) and its loads (cp.async, names ending in _async, for float32 with head
+    dims that are a multiple of 4 on sm_80 and newer; plain loads otherwise)."""
+    shared_limit = OPT_IN_SHARED_BYTES.get(cc, SHARED_MEMORY_BYTES)
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"  # bfloat16 arrays reach the kernels as uint16 bit patterns
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
@@ -89,7 +92,9 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
                 configs = (simt_forward_candidates(head_dim) if all_configs
                            else [simt_forward_config(head_dim, shared_limit)])
-                loads = [False] + [True] * (dtype == "float32" and head_dim % 4 == 0)
+                # the loads the backend takes on this target: cp.async for float32 rows of
+                # whole 16-byte copies on sm_80 and newer, plain loads otherwise
+                loads = [dtype == "float32" and head_dim % 4 == 0 and cc >= 80]
                 for config in configs:
                     shape = "x".join(map(str, (config.warps, config.rows_per_thread,
                                                config.keys_per_thread)))
@@ -111,7 +116,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                                                                      bf16, async_copy)
                         end = (f"{'_async' if async_copy else ''}"
                                f"{'_' + shape if all_configs else ''}")
-                        if not causal and not async_copy and config == configs[0]:
+                        if not causal and config == configs[0]:
                             yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0  # (one)
                         yield (f"bwd_dk_dv_{tag}{end}", dk_dv,
                                f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, "
@@ -178,9 +183,12 @@ def main(argv=None):
             report.update({op: ptx.count(op) for op in COUNTED})
             if ptxas:
                 report.update(ptxas_report(ptxas, ptx, cc))
+            dynamic_limit = (MMA_SHARED_MEMORY_BYTES if name.startswith("mma_")
+                             else OPT_IN_SHARED_BYTES.get(cc, SHARED_MEMORY_BYTES))
             failed += report["local_memory"] or report.get("spill_bytes", 0) > 0 or \
+                "ptxas_error" in report or \
                 report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES or \
-                dynamic_bytes > OPT_IN_SHARED_BYTES.get(cc, MMA_SHARED_MEMORY_BYTES)
+                dynamic_bytes > dynamic_limit
             print(json.dumps(report), flush=True)
             if args.save:
                 os.makedirs(args.save, exist_ok=True)

@@ -220,6 +220,8 @@ def main(argv=None):
     if args.quick:
         shapes = shapes[:2]
     if args.shapes:
+        if not all(0 <= i < len(shapes) for i in args.shapes):
+            parser.error(f"--shapes: indices must be in 0..{len(shapes) - 1}")
         shapes = [shapes[i] for i in args.shapes]
     rng = np.random.default_rng()
     table = Table()

@@ -15,3 +15,18 @@ def simulator_and_gpu_cases(simulator_shapes, gpu_shapes):
     return ([pytest.param("simulator", s, id="sim-" + name(s)) for s in simulator_shapes] +
             [pytest.param("gpu", s, id="gpu-" + name(s), marks=pytest.mark.gpu)
              for s in gpu_shapes])
+
+
+def gpu_cannot_run(shared_bytes, async_copy):
+    """Why the GPU cannot run a SIMT kernel config that takes shared_bytes of shared memory per
+    block (with cp.async loads if async_copy), or None if it can; None under the simulator."""
+    from numba import config, cuda
+    if config.ENABLE_CUDASIM:
+        return None
+    device = cuda.get_current_device()
+    limit = device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    if shared_bytes > limit:
+        return f"the config takes {shared_bytes} bytes of shared memory; this GPU gives {limit}"
+    if async_copy and tuple(device.compute_capability) < (8, 0):
+        return "cp.async loads need compute capability 8.0 or newer"
+    return None
