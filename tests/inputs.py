@@ -1,4 +1,6 @@
 """Random attention inputs for the tests (never zeros, fresh per test), and test-case lists."""
+import dataclasses
+
 import pytest
 
 
@@ -30,3 +32,18 @@ def gpu_cannot_run(shared_bytes, async_copy):
     if async_copy and tuple(device.compute_capability) < (8, 0):
         return "cp.async loads need compute capability 8.0 or newer"
     return None
+
+
+def simt_kernel_cases(simulator_cases, gpu_cases):
+    """pytest params (config, shape, async_copy) of a SIMT kernel's (config, shape) cases, the
+    gpu ones marked `gpu`: both kinds of loads where cp.async can copy the rows (head dims that
+    are multiples of 4), plain loads elsewhere."""
+    params = []
+    for mode, cases in (("sim", simulator_cases), ("gpu", gpu_cases)):
+        for config, shape in cases:
+            for async_copy in (False, True)[:1 + (shape[-1] % 4 == 0)]:
+                name = "-".join((mode, "x".join(map(str, dataclasses.astuple(config))),
+                                 "x".join(map(str, shape)), "cp.async" if async_copy else "plain"))
+                marks = [pytest.mark.gpu] if mode == "gpu" else []
+                params.append(pytest.param(config, shape, async_copy, id=name, marks=marks))
+    return params

@@ -4,7 +4,7 @@ simulator, small configs at small sizes; with `-m gpu`, every candidate of the c
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
-from inputs import gpu_cannot_run
+from inputs import gpu_cannot_run, simt_kernel_cases
 
 from numba_flash.backends.numba_simt_bwd import backward_kernel_functions, launch_backward
 from numba_flash.config import (SimtBackwardConfig, simt_backward_candidates,
@@ -24,24 +24,9 @@ GPU_CASES = ([(config, (2, 300, 517, 3, head_dim)) for head_dim in (32, 64, 128,
              + [(simt_backward_candidates(64)[0], (1, 517, 300, 2, 64))])  # rows see no key
 
 
-def _cases():
-    """(config, shape, async_copy) params: both kinds of loads where cp.async can copy the
-    rows (head dims that are multiples of 4), plain loads elsewhere."""
-    params = []
-    for mode, cases in (("sim", SIMULATOR_CASES), ("gpu", GPU_CASES)):
-        for config, shape in cases:
-            for async_copy in (False, True)[:1 + (shape[-1] % 4 == 0)]:
-                tiles = "x".join(map(str, (config.warps, config.key_rows, config.query_cols,
-                                           config.query_rows, config.key_cols, config.stages)))
-                name = "-".join((mode, tiles, "x".join(map(str, shape)),
-                                 "cp.async" if async_copy else "plain"))
-                marks = [pytest.mark.gpu] if mode == "gpu" else []
-                params.append(pytest.param(config, shape, async_copy, id=name, marks=marks))
-    return params
-
-
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config, shape, async_copy", _cases())
+@pytest.mark.parametrize("config, shape, async_copy",
+                         simt_kernel_cases(SIMULATOR_CASES, GPU_CASES))
 def test_simt_backward_matches_reference(rng, config, shape, causal, async_copy):
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
     reason = gpu_cannot_run(max(simt_backward_shared_bytes(config, head_dim)), async_copy)
