@@ -65,7 +65,7 @@ def mma_head_dim(head_dim):
 
 def is_tile_ready(view, head_dim):
     """True if cp.async can copy this view's rows (the tensor-core kernels' 16-bit views, the
-    SIMT forward's float32 ones): head_dim columns, unit stride along them and every row
+    SIMT kernels' float32 ones): head_dim columns, unit stride along them and every row
     starting 16-byte aligned (cp.async copies 16 B)."""
     if int(view.shape[3]) != head_dim or int(view.strides[3]) != view.dtype.itemsize:
         return False

@@ -38,7 +38,7 @@ def make_cp_async_loader(head_dim, threads, itemsize=2):
     """load_tile(tile, tile_row0, src, b, row0, h, nrows, rows): cp.async rows [row0, row0 +
     rows) of src[b, :, h, :] into tile rows from tile_row0 on, 16 bytes per copy; rows at or
     past nrows are zero-filled. Elements are `itemsize` bytes (2: the tensor-core kernels'
-    16-bit tiles; 4: the SIMT forward's float32 ones); head_dim is a multiple of 16 bytes.
+    16-bit tiles; 4: the SIMT kernels' float32 ones); head_dim is a multiple of 16 bytes.
 
     `rows` is a constant of the calling kernel, so the loop below has a constant trip count:
     it unrolls, and each thread's chunk positions depend on its thread index only, so the

@@ -58,14 +58,7 @@ def delta_kernel_function(head_dim, to_float32=float32):
     return flash_bwd_delta
 
 
-def _check_loads(head_dim, bf16, async_copy):
-    if async_copy and (bf16 or head_dim % 4):
-        raise ValueError(f"cp.async loads take float32 rows of a multiple of 4 floats; got "
-                         f"head_dim {head_dim}{' in bfloat16' if bf16 else ''}")
-
-
 def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
-    _check_loads(head_dim, bf16, async_copy)
     TK, TQ, STAGES, THREADS = config.key_rows, config.query_cols, config.stages, config.threads
     BLOCK_N, BLOCK_M = config.dk_dv_tiles  # keys per block, queries per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
@@ -74,7 +67,8 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     D4 = -(-head_dim // 4) * 4
     CHUNKS = D_PAD // (4 * LANE_COLS)
     ROW = D_PAD + 4
-    P_ROW = BLOCK_M + 8
+    P_ROW = BLOCK_M + 8  # floats per P / dS row: the 4 row groups' stores hit 32 distinct
+    #                     banks (for an even query_cols, as every config has)
     STAGED_ROWS = STAGES * BLOCK_M  # rows of the Q and dO buffers (shapes must be literals)
     V_START = 4 * BLOCK_N * ROW  # byte offsets in dynamic shared memory
     Q_START = V_START + 4 * BLOCK_N * ROW
@@ -124,13 +118,13 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
                 dk_acc[i, c] = ZERO
                 dv_acc[i, c] = ZERO
 
-        # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0.
+        # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0. (Every
+        # key tile has one: m_begin <= n0 - offset <= seqlen_q - 1.)
         m_begin = query_begin(causal, n0, offset, BLOCK_M)
         load_k_tile(k_tile, 0, k, b, n0, h, seqlen_k)
         load_k_tile(v_tile, 0, v, b, n0, h, seqlen_k)
-        if m_begin < seqlen_q:
-            load_q_tile(q_tiles, 0, q, b, m_begin, h, seqlen_q)
-            load_q_tile(do_tiles, 0, dout, b, m_begin, h, seqlen_q)
+        load_q_tile(q_tiles, 0, q, b, m_begin, h, seqlen_q)
+        load_q_tile(do_tiles, 0, dout, b, m_begin, h, seqlen_q)
         commit_loads()
         r = cuda.threadIdx.x  # this thread's row of the lse and D tiles, if < BLOCK_M
         if r < BLOCK_M:
@@ -163,6 +157,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
                 key = ty + LANE_ROWS * i
                 for j in range(TQ):
                     query = tx + LANE_COLS * j
+                    # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
                     p = exp2(s[i, j] * scale_log2 - lse_tiles[stage, query])
                     if needs_mask and n0 + key > m0 + query + offset:
                         p = ZERO
@@ -183,9 +178,9 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
                 lse_tiles[nxt, r] = lse_log2(next_lse) if next_in_range else POS_INF
                 delta_tiles[nxt, r] = next_delta
             stage = nxt
-        wait_loads()  # (with no query tile, the copies of K and V are still in flight)
 
-        # Epilogue: one write of dK and dV.
+        # Epilogue: one write of dK and dV (key rows past seqlen_k, whose zero K rows gave
+        # them nonzero P, are not written).
         store_tile(dk, dk_acc, b, n0, h, seqlen_k, ty, tx, softmax_scale)
         store_tile(dv, dv_acc, b, n0, h, seqlen_k, ty, tx, ONE)
 
@@ -193,14 +188,13 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
 
 
 def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
-    _check_loads(head_dim, bf16, async_copy)
     TM, TN, STAGES, THREADS = config.query_rows, config.key_cols, config.stages, config.threads
     BLOCK_M, BLOCK_N = config.dq_tiles  # queries per block, keys per streamed tile
     D_PAD = config.padded_head_dim(head_dim)
     D4 = -(-head_dim // 4) * 4  # (as in dk/dv: K's columns past D4 reach only unstored dQ)
     CHUNKS = D_PAD // (4 * LANE_COLS)
     ROW = D_PAD + 4
-    DS_ROW = BLOCK_N + 8
+    DS_ROW = BLOCK_N + 8  # (as P_ROW in dk/dv, for an even key_cols)
     STAGED_ROWS = STAGES * BLOCK_N  # rows of the K and V buffers (shapes must be literals)
     DO_START = 4 * BLOCK_M * ROW  # byte offsets in dynamic shared memory
     K_START = DO_START + 4 * BLOCK_M * ROW

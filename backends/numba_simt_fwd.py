@@ -46,9 +46,6 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
     forward_kernel. With bf16, q, k, v and out hold bfloat16 bit patterns. With async_copy, q,
     k and v must be float32 with rows of head_dim (a multiple of 4) contiguous, 16-byte
     aligned floats."""
-    if async_copy and (bf16 or head_dim % 4):
-        raise ValueError(f"cp.async loads take float32 rows of a multiple of 4 floats; got "
-                         f"head_dim {head_dim}{' in bfloat16' if bf16 else ''}")
     TM, TN = config.rows_per_thread, config.keys_per_thread
     BLOCK_M, BLOCK_N, THREADS = config.block_m, config.block_n, config.threads
     D_PAD = config.padded_head_dim(head_dim)  # columns of the output register tiles

@@ -53,6 +53,9 @@ def make_tile_loader(rows, head_dim, loaded_cols, threads, bf16, async_copy):
     """load(tile, tile_row0, src, b, row0, h, nrows): as make_plain_loader; with async_copy by
     cp.async (float32 rows of head_dim = loaded_cols floats, 16-byte aligned), complete only
     after the wait of copy_fences."""
+    if async_copy and (bf16 or head_dim % 4):
+        raise ValueError(f"cp.async loads take float32 rows of a multiple of 4 floats; got "
+                         f"head_dim {head_dim}{' in bfloat16' if bf16 else ''}")
     if not async_copy:
         return make_plain_loader(rows, head_dim, loaded_cols, threads, bf16)
     copy = make_cp_async_loader(head_dim, threads, itemsize=4)

@@ -5,8 +5,12 @@ as a block-wide barrier. A warp collective is emulated the same way the simulato
 syncthreads_count: each thread posts its value, all threads meet at a barrier, each reads its
 warp's 32 values, and a second barrier keeps the next exchange from overwriting them early.
 So, like syncthreads(), a twin that exchanges must be called by every thread of the block.
+The warp barrier (warp_barrier) is the exception: the lanes of a warp meet among themselves.
+Per-thread state (thread_state) holds what a thread has in flight, e.g. its cp.async copies.
 """
 import threading
+
+import numpy as np
 
 WARP_SIZE = 32
 
@@ -27,9 +31,22 @@ def lane_id():
     return threading.current_thread().thread_id % WARP_SIZE
 
 
+_BARRIERS_LOCK = threading.Lock()
+
+
 def warp_barrier():
-    """A warp barrier (__syncwarp): the simulator's threads meet at a block barrier."""
-    threading.current_thread().syncthreads()
+    """A warp barrier (__syncwarp): the calling thread waits for the other lanes of its warp
+    only, as on the GPU, so that a kernel which relies on it to order another warp's writes
+    fails in the simulator too. (The simulator's block barrier releases once every thread is
+    waiting in it; a warp's lanes meet here before any of them can get there.)"""
+    thread = threading.current_thread()
+    first = thread.thread_id - thread.thread_id % WARP_SIZE
+    with _BARRIERS_LOCK:
+        barriers = thread._manager.__dict__.setdefault("_numba_flash_warp_barriers", {})
+        if first not in barriers:
+            lanes = min(WARP_SIZE, int(np.prod(thread._manager._block_dim)) - first)
+            barriers[first] = threading.Barrier(lanes)
+    barriers[first].wait()
 
 
 def thread_state(name, factory):

@@ -1,10 +1,9 @@
 """Tile configurations for the Numba kernels: one frozen dataclass and one heuristic per kernel.
 
-The SIMT kernels keep every tile in float32 whatever the input dtype: the forward in dynamic
-shared memory (its config is the first candidate that fits the GPU's limit per block), the
-backward in static shared memory, capped at 48 KiB per block, so its tiles shrink as the head
-dimension grows. The tensor-core kernels keep 16-bit tiles in dynamic shared memory, up to
-MMA_SHARED_MEMORY_BYTES.
+The SIMT kernels keep every tile in float32 whatever the input dtype, in dynamic shared memory:
+each kernel's config is the first of its candidates that fits what the GPU gives a block (the
+last fits 48 KiB, which every CUDA GPU gives). The tensor-core kernels keep 16-bit tiles in
+dynamic shared memory, up to MMA_SHARED_MEMORY_BYTES.
 """
 from dataclasses import dataclass
 

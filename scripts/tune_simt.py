@@ -80,6 +80,8 @@ def tune_backward(cp, harness_inputs, head_dim, dtype, causal, args, limit):
                                 causal, scale, "float64")[0]
     work = 2.5 * 4.0 * batch * nheads * args.seqlen ** 2 * head_dim / (2 if causal else 1)
     what = f"bwd {dtype} d{head_dim} N{args.seqlen} {'causal' if causal else 'full'}"
+    if head_dim not in BACKWARD_CANDIDATES:
+        print(f"{what}: no backward candidates listed (BACKWARD_CANDIDATES)")
     for shape in BACKWARD_CANDIDATES.get(head_dim, ()):
         config = SimtBackwardConfig(*shape)
         shared = max(simt_backward_shared_bytes(config, head_dim))

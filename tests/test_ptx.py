@@ -1,7 +1,7 @@
 """Every Numba kernel compiles for sm_80 and sm_90 without a GPU (libNVVM from pip) with the
 instructions the design relies on, no local memory, no register spills, at most 48 KiB of
 static shared memory (ptxas -v, from the `test` extra) and at most 99 KiB of dynamic shared
-memory for the tensor-core kernels; the SIMT forward's config for each target may take what a
+memory for the tensor-core kernels; the SIMT kernels' configs for each target may take what a
 block may have there."""
 import json
 import os

@@ -18,7 +18,10 @@ SIMULATOR_CASES = [(SimtBackwardConfig(1, 1, 2, 1, 2, stages=1), (1, 17, 37, 2, 
                    (SimtBackwardConfig(1, 2, 2, 2, 2), (1, 37, 17, 1, 24)),
                    (SimtBackwardConfig(2, 2, 4, 2, 4), (1, 45, 50, 1, 16)),
                    (SimtBackwardConfig(2, 1, 2, 1, 2, stages=1), (1, 20, 30, 1, 100)),
-                   (SimtBackwardConfig(1, 1, 2, 1, 2), (1, 9, 11, 1, 1))]
+                   (SimtBackwardConfig(1, 1, 2, 1, 2), (1, 9, 11, 1, 1)),
+                   # two stages reused: at least 3 streamed tiles in both kernels
+                   (SimtBackwardConfig(2, 1, 2, 1, 2), (1, 21, 50, 1, 12)),
+                   (SimtBackwardConfig(2, 1, 2, 1, 2), (1, 50, 21, 1, 12))]
 GPU_CASES = ([(config, (2, 300, 517, 3, head_dim)) for head_dim in (32, 64, 128, 256)
               for config in simt_backward_candidates(head_dim)]
              + [(simt_backward_candidates(64)[0], (1, 517, 300, 2, 64))])  # rows see no key
