@@ -33,7 +33,7 @@ from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, quer
                               query_tile)
 from .numba_launch import launch
 from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
-                          make_chunked_store, make_tile_dot, make_tile_loader)
+                          make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
 
 DELTA_THREADS = 128
 
@@ -61,12 +61,7 @@ def delta_kernel_function(head_dim, to_float32=float32):
 def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     TK, TQ, STAGES, THREADS = config.key_rows, config.query_cols, config.stages, config.threads
     BLOCK_N, BLOCK_M = config.dk_dv_tiles  # keys per block, queries per streamed tile
-    D_PAD = config.padded_head_dim(head_dim)
-    # Columns the scores read: whole 16-byte vectors. The products with dO and Q read up to
-    # D_PAD; columns past D4 are never loaded, but reach only dK, dV columns never stored.
-    D4 = -(-head_dim // 4) * 4
-    CHUNKS = D_PAD // (4 * LANE_COLS)
-    ROW = D_PAD + 4
+    D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
     P_ROW = BLOCK_M + 8  # floats per P / dS row: the 4 row groups' stores hit 32 distinct
     #                     banks (for an even query_cols, as every config has)
     STAGED_ROWS = STAGES * BLOCK_M  # rows of the Q and dO buffers (shapes must be literals)
@@ -190,10 +185,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
 def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
     TM, TN, STAGES, THREADS = config.query_rows, config.key_cols, config.stages, config.threads
     BLOCK_M, BLOCK_N = config.dq_tiles  # queries per block, keys per streamed tile
-    D_PAD = config.padded_head_dim(head_dim)
-    D4 = -(-head_dim // 4) * 4  # (as in dk/dv: K's columns past D4 reach only unstored dQ)
-    CHUNKS = D_PAD // (4 * LANE_COLS)
-    ROW = D_PAD + 4
+    D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
     DS_ROW = BLOCK_N + 8  # (as P_ROW in dk/dv, for an even key_cols)
     STAGED_ROWS = STAGES * BLOCK_N  # rows of the K and V buffers (shapes must be literals)
     DO_START = 4 * BLOCK_M * ROW  # byte offsets in dynamic shared memory

@@ -37,7 +37,7 @@ from .numba_bits16 import float32_to_bf16_bits, unchanged
 from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
 from .numba_launch import launch
 from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
-                          make_tile_dot, make_tile_loader)
+                          make_tile_dot, make_tile_loader, tile_columns)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +48,7 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
     aligned floats."""
     TM, TN = config.rows_per_thread, config.keys_per_thread
     BLOCK_M, BLOCK_N, THREADS = config.block_m, config.block_n, config.threads
-    D_PAD = config.padded_head_dim(head_dim)  # columns of the output register tiles
-    # Columns the scores read: whole 16-byte vectors. P·V reads V up to D_PAD; the columns
-    # past D4 are never loaded, but they only reach output columns that are never stored.
-    D4 = -(-head_dim // 4) * 4
-    CHUNKS = D_PAD // (4 * LANE_COLS)  # 4-wide output column chunks per thread
-    ROW = D_PAD + 4  # floats per Q/K/V row: 8 lanes reading 8 rows hit 32 distinct banks
+    D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
     P_ROW = BLOCK_N + 8  # floats per P row: the 4 row groups' stores hit 32 distinct banks
     #                      (for an even keys_per_thread, as every config has)
     K_START = 4 * BLOCK_M * ROW  # byte offsets of the tiles in dynamic shared memory

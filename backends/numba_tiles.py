@@ -26,6 +26,15 @@ from .numba_mma_tiles import make_cp_async_loader
 LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
 
 
+def tile_columns(padded_head_dim, head_dim):
+    """(D4, CHUNKS, ROW) of a kernel's tiles: D4, the columns the scores read (head_dim in
+    whole 16-byte vectors); CHUNKS, the 4-wide output column chunks per thread; ROW, floats per
+    shared row (padded_head_dim + 4: 8 lanes reading 8 rows hit 32 distinct banks). The
+    products with V (dO, Q, K in the backward) read up to padded_head_dim; the columns past D4
+    are never loaded, but they reach only output columns that are never stored."""
+    return -(-head_dim // 4) * 4, padded_head_dim // (4 * LANE_COLS), padded_head_dim + 4
+
+
 @functools.lru_cache(maxsize=None)
 def make_plain_loader(rows, head_dim, loaded_cols, threads, bf16=False):
     """load(tile, tile_row0, src, b, row0, h, nrows): tile[tile_row0 + r, d] =
