@@ -46,9 +46,11 @@ for stage in "$@"; do
                 echo "compute-sanitizer not found" | tee "$OUT/sanitizer.log"; status=1; continue
             fi
             # The workload runs once without the sanitizer first, so that the kernels come
-            # from Numba's on-disk cache under it. API errors are not reported: Numba's driver
-            # start-up probes entry points with cuGetProcAddress, and each miss counts as one.
-            timeout 150 python3 scripts/reliability.py sanitize > /dev/null 2>&1
+            # from Numba's on-disk cache under it (on a fresh machine this compilation takes
+            # minutes). API errors are not reported: Numba's driver start-up probes
+            # entry points with cuGetProcAddress, and each miss counts as one.
+            timeout "${SANITIZE_WARMUP_TIMEOUT:-240}" python3 scripts/reliability.py sanitize \
+                > /dev/null 2>&1
             for tool in memcheck racecheck; do
                 echo "== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
                 timeout "${SANITIZE_TIMEOUT:-200}" "$sanitizer" --tool "$tool" \

@@ -134,24 +134,30 @@ def test_tensor_core_backend_reads_strided_and_misaligned_views(cp, rng):
                 assert_within_rule(name, got.get(), base.get(), ref.get(), "float16")
 
 
-def test_simt_forward_reads_strided_and_misaligned_float32_views(cp, rng):
-    """float32 through numba: a slice of a packed qkv array with 16-byte aligned rows is read
-    in place by cp.async; views whose rows are not aligned are copied first. Both give the
-    reference's result."""
+def test_simt_backend_reads_strided_and_misaligned_float32_views(cp, rng):
+    """float32 through numba, forward and backward: slices of a packed qkv+dout array with
+    16-byte aligned rows are read in place by cp.async; views whose rows are not aligned are
+    copied first. Both give the reference's result."""
     batch, seqlen, nheads, headdim = 2, 500, 3, 64
-    packed = cp.asarray(rng.standard_normal((batch, seqlen, nheads, 3, headdim + 4)),
+    scale = headdim ** -0.5
+    packed = cp.asarray(rng.standard_normal((batch, seqlen, nheads, 4, headdim + 4)),
                         cp.float32)
     for start in (0, 1):  # start 1: every row begins 4 bytes past a 16-byte boundary
-        q, k, v = (packed[:, :, :, i, start:start + headdim] for i in range(3))
+        q, k, v, dout = (packed[:, :, :, i, start:start + headdim] for i in range(4))
         for causal in (False, True):
             _poison(cp, 16 * q.nbytes)
             out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
-            ref_out, ref_lse = attention_forward(cp, q, k, v, causal, headdim ** -0.5,
-                                                 "float64")
-            base_out, base_lse = attention_forward(cp, q, k, v, causal, headdim ** -0.5,
-                                                   "float32")
+            ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
+            base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, "float32")
             assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), "float32")
             assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), "float32")
+            _poison(cp, 16 * q.nbytes)
+            grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
+                                         backend="numba")
+            refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
+            bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float32")
+            for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+                assert_within_rule(name, got.get(), base.get(), ref.get(), "float32")
 
 
 def test_cupy_backend_matches_reference(cp, rng):
