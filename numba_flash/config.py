@@ -61,9 +61,11 @@ def simt_forward_shared_bytes(config, head_dim):
 # d32 (4, 4, 8) 31.2 / 27.8, (2, 4, 8) 29.1 / 28.0, (4, 8, 8) 26.5 / 25.2;
 # d64 (4, 8, 4) 34.9 / 32.7, (2, 8, 4) 34.5 / 31.8, (4, 4, 4) 33.1 / 31.9, (4, 4, 8) 32.2 / 31.7;
 # d128 (4, 4, 4) 30.1 / 29.0, (8, 4, 4) 30.4 / 28.7 (119 KiB), (4, 2, 4) 24.5 / 23.3,
-# (2, 2, 4) 18.1 / 18.3; d256 (4, 2, 4) 20.8 / 20.6, (2, 2, 4) 14.0 / 13.1, (1, 2, 2) 12.4 /
-# 10.4. With plain loads (sm_75 and older, float16, head dims not a multiple of 4) the same
-# configs come first: d64 (4, 8, 4) 16.9, d128 (4, 4, 4) 10.3.
+# (2, 2, 4) 18.1 / 18.3; 8 rows per thread do not pay (docs/tune_simt_2026-12-01.log; 248-255
+# registers, as (4, 4, 4)'s 254): (4, 8, 2) 30.9 / 27.6, (2, 8, 4) 25.5 / 21.0;
+# d256 (4, 2, 4) 20.8 / 20.6, (2, 2, 4) 14.0 / 13.1, (1, 2, 2) 12.4 / 10.4. With plain loads
+# (sm_75 and older, float16, head dims not a multiple of 4) the same configs come first:
+# d64 (4, 8, 4) 16.9, d128 (4, 4, 4) 10.3.
 _SIMT_FORWARD = (  # (max head_dim, candidates)
     (32, (SimtForwardConfig(4, 4, 8), SimtForwardConfig(2, 4, 8))),
     (64, (SimtForwardConfig(4, 8, 4), SimtForwardConfig(2, 8, 4))),
