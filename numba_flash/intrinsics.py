@@ -4,9 +4,10 @@ Under NUMBA_ENABLE_CUDASIM=1 kernels run as Python, where an @intrinsic cannot b
 every public name here is bound at import time to either the compiled intrinsic (PTX through
 llvmlite inline assembly) or its Python twin; kernels call the name and run unchanged in both.
 
-Warp-collective twins (mma, ldmatrix, shuffles, syncwarp) exchange lane values or meet through
-block barriers (numba_flash._sim_warp), so in kernels they must be called by every thread of
-the block together, like syncthreads(). The cp.async twin keeps each thread's copies in flight
+Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values through block barriers
+(numba_flash._sim_warp), so in kernels they must be called by every thread of the block
+together, like syncthreads(); the syncwarp twin waits for the lanes of the caller's warp
+only, as on the GPU. The cp.async twin keeps each thread's copies in flight
 (their bytes NaN) until a cp_async_wait covers them, as the hardware may.
 
 Register fragments of f16/bf16 data are uint32 holding two 16-bit values, the first element
@@ -470,9 +471,9 @@ def _cp_async_wait(typingctx, pending):
 
 def _cp_async_commit_python():
     """Close the group of this thread's copies issued since its last commit."""
-    groups = _sim_warp.thread_state("cp_async_groups", list)
-    groups.append(_sim_warp.thread_state("cp_async_issued", list)[:])
-    _sim_warp.thread_state("cp_async_issued", list).clear()
+    issued = _sim_warp.thread_state("cp_async_issued", list)
+    _sim_warp.thread_state("cp_async_groups", list).append(issued[:])
+    issued.clear()
 
 
 def _cp_async_wait_python(pending):
