@@ -99,11 +99,11 @@ def copy_fences(async_copy):
 
 
 @functools.lru_cache(maxsize=None)
-def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, padded_head_dim):
+def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, inner):
     """tile_dot(s, a_tile, b_tile, ty, tx): s[i, j] = sum_d a_tile[ty + TY*i, d] *
     b_tile[tx + TX*j, d] (a register tile of A·Bᵀ, e.g. the scores q_tile·k_tileᵀ; an offset
-    added to tx picks a B tile further down b_tile). d runs over padded_head_dim four columns
-    at a time: one 16-byte load per row."""
+    added to tx picks a B tile further down b_tile). d runs over `inner` columns (a multiple
+    of 4, D4 of tile_columns) four at a time: one 16-byte load per row."""
     A_SHAPE = (rows_per_thread, 4)
 
     @cuda.jit(device=True, inline="always")
@@ -112,7 +112,7 @@ def make_tile_dot(rows_per_thread, cols_per_thread, threads_y, threads_x, padded
         for i in range(rows_per_thread):
             for j in range(cols_per_thread):
                 s[i, j] = float32(0.0)
-        for d in range(0, padded_head_dim, 4):
+        for d in range(0, inner, 4):
             for i in range(rows_per_thread):
                 a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_f32x4(a_tile, ty + threads_y * i, d)
             for j in range(cols_per_thread):
