@@ -5,8 +5,8 @@ softmax in the input precision, with O(N²) memory per head. It refuses calls wh
 matrices would not fit in the free device memory, saying how much they would need.
 """
 from numba_flash import _arrays
-from numba_flash.backend_base import Backend
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.base import Backend
+from numba_flash.reference import attention_backward, attention_forward
 
 # Peak number of (batch, nheads, seqlen_q, seqlen_k) temporaries alive at once (scores, the
 # masked/shifted copy, P, and dS in the backward), used for the memory estimate.
@@ -40,7 +40,7 @@ class CupyStandardBackend(Backend):
         itemsize = 8 if _arrays.dtype_name(q) == "float64" else 4
         return SCORE_COPIES * batch * nheads * seqlen_q * int(k.shape[1]) * itemsize
 
-    def supports(self, q, k, v, *, causal=False, softmax_scale=None):
+    def supports(self, spec, q, k, v):
         reason = self.available()
         if reason:
             return reason
@@ -58,18 +58,18 @@ class CupyStandardBackend(Backend):
     def _compute_dtype(self, q):
         return "float64" if _arrays.dtype_name(q) == "float64" else _arrays.dtype_name(q)
 
-    def forward(self, q, k, v, *, causal, softmax_scale):
+    def forward(self, spec, q, k, v):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
             q, k, v = (cupy.asarray(_arrays.detached(x)) for x in (q, k, v))
-            out, lse = attention_forward(cupy, q, k, v, causal, softmax_scale, dtype)
+            out, lse = attention_forward(cupy, q, k, v, spec, dtype)
             return cupy.ascontiguousarray(out), lse.astype(cupy.float32)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+    def backward(self, spec, dout, q, k, v, out, lse):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
             arrays = [cupy.asarray(_arrays.detached(x)) for x in (dout, q, k, v, out, lse)]
-            grads = attention_backward(cupy, *arrays, causal, softmax_scale, dtype)
+            grads = attention_backward(cupy, *arrays, spec, dtype)
             return tuple(cupy.ascontiguousarray(g) for g in grads)

@@ -1,33 +1,33 @@
 """NumPy reference backend: standard attention in float64 on the CPU.
 
 It is the truth every other backend is checked against. Results come back in the input dtype
-(lse in float32, as the API promises); the tests call numba_flash.standard_attention directly
+(lse in float32, as the API promises); the tests call numba_flash.reference directly
 when they want the float64 values themselves.
 """
 import numpy as np
 
 from numba_flash import _arrays
-from numba_flash.backend_base import Backend
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.base import Backend
+from numba_flash.reference import attention_backward, attention_forward
 
 
 class NumpyReferenceBackend(Backend):
     name = "numpy"
     dtypes = ("float16", "bfloat16", "float32", "float64")
 
-    def supports(self, q, k, v, *, causal=False, softmax_scale=None):
+    def supports(self, spec, q, k, v):
         if _arrays.array_kind(q) != _arrays.HOST:
             return "it runs on the CPU and takes host arrays (NumPy, CPU torch tensors) only"
         if _arrays.dtype_name(q) not in self.dtypes:
             return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
         return None
 
-    def forward(self, q, k, v, *, causal, softmax_scale):
+    def forward(self, spec, q, k, v):
         arrays = [_arrays.as_numpy(x) for x in (q, k, v)]
-        out, lse = attention_forward(np, *arrays, causal, softmax_scale, np.float64)
+        out, lse = attention_forward(np, *arrays, spec, np.float64)
         return _arrays.host_like(out, q), _arrays.host_like(lse, q, "float32")
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+    def backward(self, spec, dout, q, k, v, out, lse):
         arrays = [_arrays.as_numpy(x) for x in (dout, q, k, v, out, lse)]
-        grads = attention_backward(np, *arrays, causal, softmax_scale, np.float64)
+        grads = attention_backward(np, *arrays, spec, np.float64)
         return tuple(_arrays.host_like(g, x) for g, x in zip(grads, (q, k, v)))

@@ -1,6 +1,5 @@
-"""Input checks for the public API. Each raises one clear error before any kernel launch."""
-import math
-
+"""Array checks for the public API (the options are numba_flash.spec's). Each raises one clear
+error before any kernel launch."""
 from . import _arrays
 
 MAX_HEAD_DIM = 256
@@ -89,34 +88,3 @@ def check_backward_args(dout, q, k, v, out, lse):
                         f"got {_arrays.dtype_name(lse)}")
     check_same_place({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     return batch, seqlen_q, seqlen_k, nheads, headdim
-
-
-def resolve_softmax_scale(softmax_scale, headdim):
-    """None -> headdim ** -0.5; otherwise a finite positive float."""
-    if softmax_scale is None:
-        return float(headdim) ** -0.5
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale must be a finite positive number or None; "
-                        f"got {softmax_scale!r}") from None
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise ValueError(f"softmax_scale must be a finite positive number or None; "
-                         f"got {softmax_scale!r}")
-    # The kernels scale in float32 with log2(e) folded in: a scale that rounds to 0 or to inf
-    # there would turn masked scores (-inf) into NaN.
-    if not _FLOAT32_SCALE_MIN <= scale <= _FLOAT32_SCALE_MAX:
-        raise ValueError(f"softmax_scale must be a finite positive number within float32 range "
-                         f"({_FLOAT32_SCALE_MIN:.0e} to {_FLOAT32_SCALE_MAX:.0e}) or None; "
-                         f"got {softmax_scale!r}")
-    return scale
-
-
-_FLOAT32_SCALE_MIN = 1e-38  # scale · log2(e) stays a normal float32
-_FLOAT32_SCALE_MAX = 1e38  # and finite
-
-
-def check_causal(causal):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False; got {causal!r}")
-    return causal

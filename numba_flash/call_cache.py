@@ -5,18 +5,25 @@ The first call of a signature runs the checks, chooses the backend and lets the 
 launches up; the backend hands back a replay (Backend.forward_and_replay), kept here under the
 signature. The next call with that signature runs the replay directly: for the numba backends,
 allocate the outputs and launch the recorded kernels on the new addresses
-(backends/numba_replay.py).
+(backends/numba/replay.py).
 
 The signature holds everything those decisions read: the operation, the backend asked for (and
-the default it stands for), causal, softmax_scale and, per array, its type, shape, strides,
+the default it stands for), the call's AttentionSpec and, per array, its type, shape, strides,
 dtype, device and whether its address is 16-byte aligned. Only CuPy arrays and CUDA torch
 tensors have signatures; other calls always take the full path. A signature that failed a check
 is never stored, so bad input always meets its error.
+
+NUMBA_FLASH_REPLAY=0 in the environment (read at import) turns replays off: every call then
+takes the full path, e.g. to rule the replay out while debugging a wrong result.
 """
+import os
 import threading
 from collections import OrderedDict
 
 from numba_flash import registry
+
+#: False under NUMBA_FLASH_REPLAY=0: no signature is kept, every call takes the full path
+ENABLED = os.environ.get("NUMBA_FLASH_REPLAY", "1").strip() != "0"
 
 #: signatures kept; past this the least recently used goes (a loop uses a handful)
 MAX_ENTRIES = 256
@@ -37,18 +44,16 @@ def _array_signature(x):
     return None
 
 
-def signature(operation, backend, causal, softmax_scale, arrays):
+def signature(operation, backend, spec, arrays):
     """The call's signature, or None for a call that is not cached."""
-    if type(causal) is not bool or type(backend) is not str:
-        return None
-    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+    if not ENABLED or type(backend) is not str:
         return None
     arrays = tuple(map(_array_signature, arrays))
     if None in arrays:
         return None
     if backend == registry.AUTO:
         backend = (backend, registry.default_backend())
-    return operation, backend, causal, softmax_scale, arrays
+    return operation, backend, spec, arrays
 
 
 def get(key):

@@ -1,17 +1,22 @@
-"""Standard (materialising) attention, written once against the NumPy API.
+"""The semantics of every variant, written once against the NumPy API: standard
+(materialising) attention.
 
-`xp` is the array module: numpy for the float64 reference on the CPU, cupy for the GPU baseline.
-The score matrix S = Q Kᵀ·scale of shape (batch, nheads, seqlen_q, seqlen_k) is built in full,
-which is exactly what FlashAttention avoids; these functions are the truth and the baseline.
-Layout of q, k, v, out, dout: (batch, seqlen, nheads, headdim); lse: (batch, nheads, seqlen_q).
+`xp` is the array module: numpy for the float64 reference on the CPU (the truth every backend
+is checked against), cupy for the GPU baseline. The score matrix S = Q Kᵀ·scale of shape
+(batch, nheads, seqlen_q, seqlen_k) is built in full, which is exactly what FlashAttention
+avoids. `spec` is the call's numba_flash.spec.AttentionSpec. Layout of q, k, v, out, dout:
+(batch, seqlen, nheads, headdim); lse: (batch, nheads, seqlen_q).
 """
 
 
-def causal_mask(xp, seqlen_q, seqlen_k):
-    """True where query i must not see key j (bottom-right aligned: j > i + seqlen_k - seqlen_q)."""
+def visible(xp, spec, seqlen_q, seqlen_k):
+    """(seqlen_q, seqlen_k) booleans, True where query i sees key j; None where every query
+    sees every key. Causal is bottom-right aligned: j <= i + seqlen_k - seqlen_q."""
+    if not spec.causal:
+        return None
     i = xp.arange(seqlen_q)[:, None]
     j = xp.arange(seqlen_k)[None, :]
-    return j > i + (seqlen_k - seqlen_q)
+    return j <= i + (seqlen_k - seqlen_q)
 
 
 def _to_heads(xp, x, dtype):
@@ -19,17 +24,18 @@ def _to_heads(xp, x, dtype):
     return xp.asarray(x).astype(dtype).transpose(0, 2, 1, 3)
 
 
-def _scores(xp, q, k, causal, softmax_scale, dtype):
+def _scores(xp, q, k, spec, dtype):
     s = (_to_heads(xp, q, dtype) @ _to_heads(xp, k, dtype).transpose(0, 1, 3, 2))
-    s = s * xp.asarray(softmax_scale, dtype=dtype)
-    if causal:
-        s = xp.where(causal_mask(xp, q.shape[1], k.shape[1]), xp.asarray(-xp.inf, dtype), s)
+    s = s * xp.asarray(spec.softmax_scale, dtype=dtype)
+    mask = visible(xp, spec, q.shape[1], k.shape[1])
+    if mask is not None:  # the keys a query does not see score -inf
+        s = xp.where(mask, s, xp.asarray(-xp.inf, dtype))
     return s
 
 
-def attention_forward(xp, q, k, v, causal, softmax_scale, dtype):
+def attention_forward(xp, q, k, v, spec, dtype):
     """Return (out, lse) computed in `dtype`. A row that sees no key gets out 0 and lse -inf."""
-    s = _scores(xp, q, k, causal, softmax_scale, dtype)
+    s = _scores(xp, q, k, spec, dtype)
     zero = xp.asarray(0, dtype)
     m = s.max(axis=-1, keepdims=True)
     m_safe = xp.where(xp.isneginf(m), zero, m)
@@ -42,9 +48,9 @@ def attention_forward(xp, q, k, v, causal, softmax_scale, dtype):
     return out.transpose(0, 2, 1, 3), lse
 
 
-def attention_backward(xp, dout, q, k, v, out, lse, causal, softmax_scale, dtype):
+def attention_backward(xp, dout, q, k, v, out, lse, spec, dtype):
     """Analytic gradients (dq, dk, dv) in `dtype`, with P recomputed from the saved lse."""
-    s = _scores(xp, q, k, causal, softmax_scale, dtype)
+    s = _scores(xp, q, k, spec, dtype)
     lse = xp.asarray(lse).astype(dtype)[..., None]
     lse_safe = xp.where(xp.isneginf(lse), xp.asarray(xp.inf, dtype), lse)  # no key seen: P = 0
     p = xp.exp(s - lse_safe)
@@ -52,7 +58,7 @@ def attention_backward(xp, dout, q, k, v, out, lse, causal, softmax_scale, dtype
     delta = (do * oh).sum(axis=-1, keepdims=True)  # D_i = rowsum(dO_i * O_i)
     dv = p.transpose(0, 1, 3, 2) @ do
     ds = p * (do @ vh.transpose(0, 1, 3, 2) - delta)
-    scale = xp.asarray(softmax_scale, dtype=dtype)
+    scale = xp.asarray(spec.softmax_scale, dtype=dtype)
     dq = (ds @ kh) * scale
     dk = (ds.transpose(0, 1, 3, 2) @ qh) * scale
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))

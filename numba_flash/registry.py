@@ -1,7 +1,8 @@
 """The backend table: name -> backend object, imported lazily; the default backend; "auto".
 
 `auto` tries the registered backends in order (numba, cupy, numpy) and takes the first whose
-`supports()` says yes; `select_backend` tells which one it took and why it skipped the others.
+`supports(spec, q, k, v)` says yes; `select_backend` tells which one it took and why it skipped
+the others.
 The default backend is "auto", or NUMBA_FLASH_BACKEND, or whatever `use_backend` set.
 """
 import contextlib
@@ -10,7 +11,7 @@ import importlib
 import os
 from collections import namedtuple
 
-from numba_flash import _arrays
+from numba_flash.spec import make_spec
 from numba_flash.backends import BACKEND_MODULES
 
 AUTO = "auto"
@@ -84,23 +85,25 @@ class Selection(namedtuple("Selection", "name skipped")):
 
 def select_backend(q, k, v, *, causal=False, softmax_scale=None, backend=AUTO):
     """Which backend runs this call, and why each backend tried before it was skipped."""
+    return _select(backend, make_spec(q, causal=causal, softmax_scale=softmax_scale), q, k, v)
+
+
+def _select(backend, spec, q, k, v):
     _check_name(backend)
     name = default_backend() if backend == AUTO else backend
     candidates = list(BACKEND_MODULES) if name == AUTO else [name]
     skipped = {}
     for candidate in candidates:
-        reason = get_backend(candidate).supports(q, k, v, causal=causal,
-                                                 softmax_scale=softmax_scale)
+        reason = get_backend(candidate).supports(spec, q, k, v)
         if reason is None:
             return Selection(candidate, skipped)
         skipped[candidate] = reason
     return Selection(None, skipped)
 
 
-def resolve(backend, q, k, v, *, causal, softmax_scale):
+def resolve(backend, spec, q, k, v):
     """The backend object that will run this call; ValueError naming the reasons if none can."""
-    selection = select_backend(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               backend=backend)
+    selection = _select(backend, spec, q, k, v)
     if selection.name is not None:
         return get_backend(selection.name)
     if len(selection.skipped) == 1:
@@ -109,7 +112,7 @@ def resolve(backend, q, k, v, *, causal, softmax_scale):
     else:
         reasons = "; ".join(f"{n}: {r}" for n, r in selection.skipped.items())
         message = f"no backend can run this call ({reasons})"
-    dtype = _arrays.dtype_name(q)
+    dtype = spec.dtype
     serving = [n for n in BACKEND_MODULES if dtype in get_backend(n).dtypes]
     if any(dtype not in get_backend(n).dtypes for n in selection.skipped) and serving:
         message += f"; backends that support {dtype}: {', '.join(serving)}"

@@ -1,10 +1,12 @@
-"""The accuracy rule of DESIGN.md, for the tests and scripts/verify.py.
+"""The accuracy rule, for the tests and scripts/verify.py.
 
 A backend's max error against a float64 reference must be at most twice the error of a plain
 implementation in the input precision (standard attention computed in that dtype), plus a small
 floor relative to the magnitude of the values.
 """
 import numpy as np
+
+from numba_flash.reference import visible
 
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
@@ -57,18 +59,15 @@ def round16(xp, x, dtype):
     return bf16_values(xp, bf16_bits(xp, x))
 
 
-def _masked_scores(xp, q, k, causal, scale):
-    s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(scale)
-    if causal:
-        nq, nk = q.shape[1], k.shape[1]
-        future = xp.arange(nk)[None] > xp.arange(nq)[:, None] + nk - nq
-        s = xp.where(future, xp.float32(-xp.inf), s)
-    return s
+def _masked_scores(xp, q, k, spec):
+    s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(spec.softmax_scale)
+    mask = visible(xp, spec, q.shape[1], k.shape[1])
+    return s if mask is None else xp.where(mask, s, xp.float32(-xp.inf))
 
 
-def plain16_forward(xp, q, k, v, causal, scale, dtype):
+def plain16_forward(xp, q, k, v, spec, dtype):
     """(out, lse) of standard attention as a 16-bit implementation computes them."""
-    s = _masked_scores(xp, q, k, causal, scale)
+    s = _masked_scores(xp, q, k, spec)
     m = s.max(-1, keepdims=True)
     p = xp.exp(s - xp.where(xp.isneginf(m), xp.float32(0), m))
     l = p.sum(-1, keepdims=True)
@@ -78,15 +77,16 @@ def plain16_forward(xp, q, k, v, causal, scale, dtype):
     return round16(xp, out, dtype), lse
 
 
-def plain16_backward(xp, dout, q, k, v, out, lse, causal, scale, dtype):
+def plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype):
     """(dq, dk, dv) of standard attention as a 16-bit implementation computes them."""
-    s = _masked_scores(xp, q, k, causal, scale)
+    s = _masked_scores(xp, q, k, spec)
     p = xp.exp(s - xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse)[..., None])
     delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
     dp = xp.einsum("bqhd,bkhd->bhqk", dout, v)
     ds = round16(xp, p * (dp - delta), dtype)
     p = round16(xp, p, dtype)
     dv = xp.einsum("bhqk,bqhd->bkhd", p, dout)
-    dq = xp.einsum("bhqk,bkhd->bqhd", ds, k) * xp.float32(scale)
-    dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * xp.float32(scale)
+    scale = xp.float32(spec.softmax_scale)
+    dq = xp.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     return tuple(round16(xp, x, dtype) for x in (dq, dk, dv))

@@ -146,7 +146,8 @@ def warmed_runners(numba_flash, cp, torch, rng, dtype, shape, causal, passes, ba
     for name, fn in make_runners(numba_flash, cp, torch, inputs, causal, passes, dtype,
                                  backends, sdpa_kinds).items():
         if name in backends:
-            reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
+            selection = numba_flash.select_backend(q, k, v, causal=causal, backend=name)
+            reason = selection.skipped.get(name)
             if reason:
                 results[name] = {"skipped": reason}
                 continue

@@ -8,8 +8,8 @@
 #   bash scripts/gpu_check.sh sanitize # compute-sanitizer memcheck + racecheck on every kernel
 #   bash scripts/gpu_check.sh reliability  # scripts/reliability.py repeat long jit
 #   bash scripts/gpu_check.sh overhead # scripts/overhead.py: host time per call, with cProfile
-# Each stage fits one device call (under 10 minutes, JIT compilation included). Carry the
-# numpy wheel as ../shared/device/README.md says (carry: [".whl"]).
+# Each stage fits one device call (under 10 minutes, JIT compilation included). The GPU
+# machine's numba-cuda needs numpy < 2.5: carry a numpy 2.4 wheel in .whl/ (carry: [".whl"]).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,15 +28,12 @@ for stage in "$@"; do
     case "$stage" in
         tests)
             timeout 560 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
-                tests/test_launch.py tests/test_call_cache.py tests/test_intrinsics.py \
-                tests/test_mma_forward.py tests/test_simt_forward.py tests/test_simt_backward.py \
-                tests/test_mma_backward.py \
-                tests/test_gpu.py \
-                tests/test_torch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
+                tests/backends tests/api tests/device tests/kernels tests/gpu \
+                2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1 ;;
         api)
             timeout 400 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
-                tests/test_gpu.py \
-                tests/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 || status=1 ;;
+                tests/gpu tests/api/test_torch.py 2>&1 | tee "$OUT/gpu_api.log" | tail -15 \
+                || status=1 ;;
         tune)
             timeout 250 python3 scripts/tune_mma.py 2>&1 | tee "$OUT/tune_mma.log" || status=1 ;;
         sanitize)

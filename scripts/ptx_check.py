@@ -25,17 +25,20 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simul
 
 from numba import cuda  # noqa: E402
 
-from numba_flash.backends.numba_mma_bwd import (  # noqa: E402
+from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
+from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
+from numba_flash.backends.numba.mma.bwd import (  # noqa: E402
     mma_dk_dv_kernel_function, mma_dq_kernel_function)
-from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function  # noqa: E402
-from numba_flash.backends.numba_simt_bwd import backward_kernel_functions  # noqa: E402
-from numba_flash.backends.numba_simt_fwd import forward_kernel_function  # noqa: E402
-from numba_flash.config import (MMA_SHARED_MEMORY_BYTES, SHARED_MEMORY_BYTES,  # noqa: E402
-                                mma_backward_config, mma_backward_shared_bytes,
-                                mma_forward_config, mma_forward_shared_bytes,
-                                simt_backward_candidates, simt_backward_config,
-                                simt_backward_shared_bytes, simt_forward_candidates,
-                                simt_forward_config, simt_forward_shared_bytes)
+from numba_flash.backends.numba.mma.config import (  # noqa: E402
+    MMA_SHARED_MEMORY_BYTES, mma_backward_config, mma_backward_shared_bytes, mma_forward_config,
+    mma_forward_shared_bytes)
+from numba_flash.backends.numba.mma.fwd import mma_forward_kernel_function  # noqa: E402
+from numba_flash.backends.numba.simt.bwd import backward_kernel_functions  # noqa: E402
+from numba_flash.backends.numba.simt.config import (  # noqa: E402
+    simt_backward_candidates, simt_backward_config, simt_backward_shared_bytes,
+    simt_forward_candidates, simt_forward_config, simt_forward_shared_bytes)
+from numba_flash.backends.numba.simt.fwd import forward_kernel_function  # noqa: E402
+from numba_flash.spec import AttentionSpec  # noqa: E402
 
 #: shared memory a block may opt in to, per compute capability (48 KiB for those not listed):
 #: the SIMT kernels' configs go up to it; the tensor-core ones stay within
@@ -90,6 +93,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
         for head_dim in head_dims:
             for causal in (False, True):
                 tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
+                spec = AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal)
                 configs = (simt_forward_candidates(head_dim) if all_configs
                            else [simt_forward_config(head_dim, shared_limit)])
                 # the loads the backend takes on this target: cp.async for float32 rows of
@@ -99,7 +103,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                     shape = "x".join(map(str, (config.warps, config.rows_per_thread,
                                                config.keys_per_thread)))
                     for async_copy in loads:
-                        fwd = forward_kernel_function(config, head_dim, causal, bf16, async_copy)
+                        fwd = forward_kernel_function(config, spec, async_copy)
                         name = (f"forward_{tag}{'_async' if async_copy else ''}"
                                 f"{'_' + shape if all_configs else ''}")
                         yield (name, fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
@@ -112,12 +116,12 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                                                config.stages)))
                     dk_dv_bytes, dq_bytes = simt_backward_shared_bytes(config, head_dim)
                     for async_copy in loads:
-                        delta, dk_dv, dq = backward_kernel_functions(config, head_dim, causal,
-                                                                     bf16, async_copy)
+                        dk_dv, dq = backward_kernel_functions(config, spec, async_copy)
                         end = (f"{'_async' if async_copy else ''}"
                                f"{'_' + shape if all_configs else ''}")
-                        if not causal and config == configs[0]:
-                            yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0  # (one)
+                        if not causal and config == configs[0]:  # (one delta kernel)
+                            delta = delta_kernel_function(head_dim, "bf16" if bf16 else "float")
+                            yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0
                         yield (f"bwd_dk_dv_{tag}{end}", dk_dv,
                                f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, "
                                f"float32)", dk_dv_bytes)
@@ -140,22 +144,21 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
         bwd = mma_backward_config(head_dim)
         dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for causal in (False, True):
-            for bf16 in (dtype == "bfloat16" for dtype in dtypes):
-                tag = f"d{head_dim}_{'causal' if causal else 'full'}_{'bf16' if bf16 else 'f16'}"
-                fn = mma_forward_kernel_function(config.block_n, config.warps, head_dim, causal,
-                                                 bf16, config.slices)
+            for dtype in dtypes:
+                spec = AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal)
+                tag = (f"d{head_dim}_{'causal' if causal else 'full'}_"
+                       f"{'bf16' if spec.bf16 else 'f16'}")
+                fn = mma_forward_kernel_function(config, spec)
                 yield (f"mma_forward_{tag}", fn,
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)",
                        mma_forward_shared_bytes(config, head_dim))
                 f3 = "float32[:, :, :]"
                 yield (f"mma_bwd_dk_dv_{tag}",
-                       mma_dk_dv_kernel_function(bwd.block_m, bwd.warps, head_dim, causal, bf16,
-                                                 bwd.stages, bwd.d_split),
+                       mma_dk_dv_kernel_function(bwd, spec),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)",
                        dk_dv_bytes)
                 yield (f"mma_bwd_dq_{tag}",
-                       mma_dq_kernel_function(bwd.block_n, bwd.warps, head_dim, causal, bf16,
-                                              bwd.stages, bwd.d_split),
+                       mma_dq_kernel_function(bwd, spec),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
 
 

@@ -2,10 +2,10 @@
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
-numba_flash.config.MMA_SHARED_MEMORY_BYTES) are reported and skipped. Each candidate listed
+mma/config.py's MMA_SHARED_MEMORY_BYTES) are reported and skipped. Each candidate listed
 compiled without spills for sm_90 when it was added (ptxas; several only since the ldmatrix
 addresses of 2026-11-30); check a winner with scripts/ptx_check.py before choosing it for
-numba_flash/config.py.
+backends/numba/mma/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
     python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
@@ -56,19 +56,19 @@ def main(argv=None):
     import cupy as cp
     from numba import cuda
 
-    from numba_flash.backends.numba_mma_bwd import launch_mma_backward
-    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
-    from numba_flash.config import MmaBackwardConfig, MmaConfig
-    from numba_flash.standard_attention import attention_backward, attention_forward
+    from numba_flash.backends.numba.mma.bwd import launch_mma_backward
+    from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
+    from numba_flash.backends.numba.mma.fwd import launch_mma_forward
+    from numba_flash.reference import attention_backward, attention_forward
+    from numba_flash.spec import make_spec
     rng = np.random.default_rng(0)
     n, causal = args.seqlen, args.causal
     for head_dim in args.head_dims:
         batch, nheads = max(1, args.tokens // n), 2048 // head_dim
         q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
-        scale = head_dim ** -0.5
+        spec = make_spec(q, causal=causal)
         first = slice(0, 1)
-        ref_out, ref_lse = attention_forward(cp, q[first], k[first], v[first], causal, scale,
-                                             "float64")
+        ref_out, ref_lse = attention_forward(cp, q[first], k[first], v[first], spec, "float64")
         work = 4.0 * batch * nheads * n * n * head_dim / (2.0 if causal else 1.0)
         bits = [cuda.as_cuda_array(x.view(cp.uint16), sync=False) for x in (q, k, v, dout)]
         tag = f"d{head_dim} N{n} {'causal' if causal else 'full'}"
@@ -80,7 +80,7 @@ def main(argv=None):
                                     for x in (out.view(cp.uint16), lse)]
 
                 def run():
-                    launch_mma_forward(*views, causal, scale, False, 0, MmaConfig(*shape))
+                    launch_mma_forward(spec, *views, 0, MmaConfig(*shape))
                 try:
                     run()
                 except Exception as exc:
@@ -96,9 +96,9 @@ def main(argv=None):
             lse = cp.empty((batch, nheads, n), cp.float32)
             views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
                                 for x in (out.view(cp.uint16), lse)]
-            launch_mma_forward(*views, causal, scale, False, 0)
+            launch_mma_forward(spec, *views, 0)
             ref = attention_backward(cp, dout[first], q[first], k[first], v[first], out[first],
-                                     lse[first], causal, scale, "float64")
+                                     lse[first], spec, "float64")
             for shape in args.configs or BACKWARD[head_dim]:
                 grads = [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)]
                 delta = cp.empty_like(lse)
@@ -108,8 +108,7 @@ def main(argv=None):
                           + [g.view(cp.uint16) for g in grads]]
 
                 def run():
-                    launch_mma_backward(*gviews, causal, scale, False, 0,
-                                        MmaBackwardConfig(*shape))
+                    launch_mma_backward(spec, *gviews, 0, MmaBackwardConfig(*shape))
                 try:
                     run()
                 except Exception as exc:

@@ -1,10 +1,10 @@
 """Time candidate tile configs of the SIMT kernels side by side on one GPU.
 
-Forward candidates (warps, rows per thread, keys per thread; numba_flash.config.
-SimtForwardConfig) and backward ones (SimtBackwardConfig) run with cp.async loads and, with
---plain-loads, also with plain ones. Each is first checked against float64 standard attention
-on the same inputs, then timed with CUDA events (median). Used to order the candidates in
-numba_flash/config.py.
+Forward candidates (warps, rows per thread, keys per thread: SimtForwardConfig of
+backends/numba/simt/config.py) and backward ones (SimtBackwardConfig) run with cp.async loads
+and, with --plain-loads, also with plain ones. Each is first checked against float64 standard
+attention on the same inputs, then timed with CUDA events (median). Used to order the
+candidates in backends/numba/simt/config.py.
 
     python scripts/tune_simt.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
 """
@@ -43,12 +43,14 @@ def _report(what, shape, async_copy, shared, work, ms, error):
 
 
 def tune_forward(cp, harness_inputs, head_dim, dtype, causal, args, limit):
-    from numba_flash.backends.numba_simt_fwd import launch_forward
-    from numba_flash.config import SimtForwardConfig, simt_forward_shared_bytes
-    from numba_flash.standard_attention import attention_forward
+    from numba_flash.backends.numba.simt.config import SimtForwardConfig, simt_forward_shared_bytes
+    from numba_flash.backends.numba.simt.fwd import launch_forward
+    from numba_flash.reference import attention_forward
+    from numba_flash.spec import make_spec
     q, k, v, _ = harness_inputs
     batch, nheads, sub = q.shape[0], q.shape[2], slice(0, 1)
-    ref, _ = attention_forward(cp, q[sub], k[sub], v[sub], causal, head_dim ** -0.5, "float64")
+    spec = make_spec(q, causal=causal)
+    ref, _ = attention_forward(cp, q[sub], k[sub], v[sub], spec, "float64")
     work = 4.0 * batch * nheads * args.seqlen ** 2 * head_dim / (2 if causal else 1)
     what = f"fwd {dtype} d{head_dim} N{args.seqlen} {'causal' if causal else 'full'}"
     for shape in CANDIDATES[head_dim]:
@@ -62,23 +64,25 @@ def tune_forward(cp, harness_inputs, head_dim, dtype, causal, args, limit):
             lse = cp.empty((batch, nheads, args.seqlen), cp.float32)
 
             def run():
-                launch_forward(q, k, v, out, lse, causal, head_dim ** -0.5, 0, config,
-                               async_copy=async_copy)
+                launch_forward(spec, q, k, v, out, lse, 0, config, async_copy=async_copy)
             run()
             error = float(cp.abs(out[sub].astype(cp.float64) - ref).max())
             _report(what, shape, async_copy, shared, work, harness.median_ms(run), error)
 
 
 def tune_backward(cp, harness_inputs, head_dim, dtype, causal, args, limit):
-    from numba_flash.backends.numba_simt_bwd import launch_backward
-    from numba_flash.config import SimtBackwardConfig, simt_backward_shared_bytes
-    from numba_flash.standard_attention import attention_backward, attention_forward
+    from numba_flash.backends.numba.simt.bwd import launch_backward
+    from numba_flash.backends.numba.simt.config import (SimtBackwardConfig,
+                                                        simt_backward_shared_bytes)
+    from numba_flash.reference import attention_backward, attention_forward
+    from numba_flash.spec import make_spec
     q, k, v, dout = harness_inputs
-    batch, nheads, sub, scale = q.shape[0], q.shape[2], slice(0, 1), head_dim ** -0.5
-    out, lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+    batch, nheads, sub = q.shape[0], q.shape[2], slice(0, 1)
+    spec = make_spec(q, causal=causal)
+    out, lse = attention_forward(cp, q, k, v, spec, dtype)
     out, lse = cp.ascontiguousarray(out), cp.ascontiguousarray(lse.astype(cp.float32))
     ref_dq = attention_backward(cp, dout[sub], q[sub], k[sub], v[sub], out[sub], lse[sub],
-                                causal, scale, "float64")[0]
+                                spec, "float64")[0]
     work = 2.5 * 4.0 * batch * nheads * args.seqlen ** 2 * head_dim / (2 if causal else 1)
     what = f"bwd {dtype} d{head_dim} N{args.seqlen} {'causal' if causal else 'full'}"
     if head_dim not in BACKWARD_CANDIDATES:
@@ -94,7 +98,7 @@ def tune_backward(cp, harness_inputs, head_dim, dtype, causal, args, limit):
             delta = cp.empty(lse.shape, cp.float32)
 
             def run():
-                launch_backward(dout, q, k, v, out, lse, delta, *grads, causal, scale, 0,
+                launch_backward(spec, dout, q, k, v, out, lse, delta, *grads, 0,
                                 async_copy=async_copy, config=config)
             run()
             error = float(cp.abs(grads[0][sub].astype(cp.float64) - ref_dq).max())

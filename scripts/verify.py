@@ -8,7 +8,7 @@ the same kernels as one already checked for a case is skipped with that reason.
 Without a GPU: the kernels run in Numba's CUDA simulator at small sizes (it says so); the
 tensor-core kernels only at the first shape, being slow there.
 
-Rule (DESIGN.md): max |backend - reference| <= 2 x max |plain - reference| + floor, where the
+Rule: max |backend - reference| <= 2 x max |plain - reference| + floor, where the
 reference is computed in float64 and "plain" is standard attention in the input precision
 (the cupy backend on the GPU, NumPy in that dtype on the CPU; for bfloat16, which neither
 has, numba_flash.testing's float32 emulation of a 16-bit implementation). Prints a table;
@@ -84,8 +84,8 @@ class Inputs:
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
-    from numba_flash.backends.numba_backend import MMA
-    from numba_flash.standard_attention import attention_backward, attention_forward
+    from numba_flash.reference import attention_backward, attention_forward
+    from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward, plain16_forward, round16
     batch, seqlen_q, seqlen_k, nheads, headdim = shape
     case = (f"{dtype:8s} {'causal' if causal else 'full  '} B{batch} H{nheads} "
@@ -96,22 +96,22 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
         values = [round16(xp, x, dtype) for x in values]
     inputs = Inputs(xp, values, dtype, on_gpu)
     q, k, v, dout = values
-    scale = headdim ** -0.5
-    ref_out, ref_lse = attention_forward(xp, q, k, v, causal, scale, "float64")
+    spec = make_spec(q, causal=causal)
+    ref_out, ref_lse = attention_forward(xp, q, k, v, spec, "float64")
     # out and lse handed to backward: the reference's, rounded as forward would return them.
     out_in = (round16(xp, ref_out, dtype) if bf16 else
               xp.ascontiguousarray(ref_out.astype(dtype)))
     lse_in = xp.ascontiguousarray(ref_lse.astype("float32"))
-    ref_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in,
-                                                        causal, scale, "float64")]
+    ref_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in, spec,
+                                                        "float64")]
     ref_out, ref_lse = to_host(ref_out), to_host(ref_lse)
     # The plain same-precision implementation that sets the error bound.
     if bf16:
-        base_out, base_lse = plain16_forward(xp, q, k, v, causal, scale, dtype)
-        base_grads = plain16_backward(xp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+        base_out, base_lse = plain16_forward(xp, q, k, v, spec, dtype)
+        base_grads = plain16_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype)
     else:
-        base_out, base_lse = attention_forward(xp, q, k, v, causal, scale, dtype)
-        base_grads = attention_backward(xp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+        base_out, base_lse = attention_forward(xp, q, k, v, spec, dtype)
+        base_grads = attention_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype)
     limits = {"out": error_bound(max_error(to_host(base_out), ref_out), ref_out, dtype),
               "lse": error_bound(max_error(to_host(base_lse), ref_lse), ref_lse, dtype)}
     for name, base, ref in zip(("dq", "dk", "dv"), base_grads, ref_grads):
@@ -127,13 +127,15 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
             table.skip(name, case, "float64 on the CPU: checked at the smaller shapes")
             continue
         args = [inputs.for_backend(x, host) for x in (q, k, v)]
-        reason = numba_flash.get_backend(name).supports(*args, causal=causal)
+        backend = numba_flash.get_backend(name)
+        backend_spec = make_spec(args[0], causal=causal)
+        reason = backend.supports(backend_spec, *args)
         if reason:
             table.skip(name, case, reason)
             continue
-        backend = numba_flash.get_backend(name)
-        engine = backend.engine(args[0])[0] if hasattr(backend, "engine") else name
-        if not on_gpu and engine == MMA and shape != SIM_SHAPES[0]:
+        engine = (backend.engine(backend_spec, *args)[0].name if hasattr(backend, "engine")
+                  else name)
+        if not on_gpu and engine == "tensor cores" and shape != SIM_SHAPES[0]:
             table.skip(name, case, "simulated tensor cores are slow: checked at the first "
                                    "shape only")
             continue
@@ -162,14 +164,15 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
 def verify_long(table, numba_flash, xp, rng, causal, shape=LONG):
     """numba forward at a long length (N = 65536 by default); the reference is computed for
     sampled row blocks."""
-    from numba_flash.standard_attention import attention_forward
+    from numba_flash.reference import attention_forward
+    from numba_flash.spec import make_spec
     batch, seqlen_q, seqlen_k, nheads, headdim = shape
     dtype = "float16"
     case = f"{dtype} {'causal' if causal else 'full  '} B{batch} H{nheads} N{seqlen_q} D{headdim}"
     q, k, v, _ = harness.random_inputs(xp, rng, *shape, dtype)
-    scale = headdim ** -0.5
+    spec = make_spec(q, causal=causal)
     for name in ("cupy",):
-        reason = numba_flash.get_backend(name).supports(q, k, v, causal=causal)
+        reason = numba_flash.get_backend(name).supports(spec, q, k, v)
         table.skip(name, case, reason or "unexpectedly supported")
     start = time.perf_counter()
     (out, lse), extra = harness.peak_extra_bytes(
@@ -180,10 +183,10 @@ def verify_long(table, numba_flash, xp, rng, causal, shape=LONG):
     for r0 in (0, seqlen_q // 2, seqlen_q - 128):
         r1 = r0 + 128
         keys = r1 + offset if causal else seqlen_k  # rows r0..r1 see no key past this
-        ref_out, ref_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys], causal,
-                                             scale, "float64")
-        base_out, base_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys],
-                                               causal, scale, dtype)
+        ref_out, ref_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys], spec,
+                                             "float64")
+        base_out, base_lse = attention_forward(xp, q[:, r0:r1], k[:, :keys], v[:, :keys], spec,
+                                               dtype)
         for got, base, ref in ((out[:, r0:r1], base_out, ref_out),
                                (lse[:, :, r0:r1], base_lse, ref_lse)):
             ref = to_host(ref)

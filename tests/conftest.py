@@ -51,7 +51,7 @@ def rng():
 def poisoned_outputs(monkeypatch):
     """Make the numba backends allocate NaN-filled outputs and scratch, so an element a kernel
     forgets to write shows (the subclasses numba-mma and numba-simt inherit the patch)."""
-    from numba_flash.backends.numba_backend import NumbaBackend
+    from numba_flash.backends.numba.backend import NumbaBackend
     original = NumbaBackend._new
 
     def poisoned(self, ref, shape, dtype):
@@ -72,9 +72,9 @@ def cp():
 
 @pytest.fixture
 def launch_streams(monkeypatch):
-    """The stream handle of every kernel launch the test makes (backends/numba_launch.py), in
+    """The stream handle of every kernel launch the test makes (backends/numba/launch.py), in
     order."""
-    from numba_flash.backends import numba_launch
+    from numba_flash.backends.numba import launch as numba_launch
     seen = []
     real = numba_launch._driver_launch
 

@@ -2,10 +2,9 @@
 compiled kernel directly.
 
 `kernel[grid, block, stream, shared](*args)` makes Numba type every argument, build a launch
-configuration and pack each array through a Numba device array; with the `cuda.as_cuda_array`
-views the backend used to make, one forward cost 0.83 ms of host time and one backward 1.6 ms
-(scripts/overhead.py, H200, 2026-11-30), against 37 µs and 226 µs for torch SDPA. bench.py's
-timer counts that time, and so does a caller waiting for the result.
+configuration and pack each array through a Numba device array: several times the host time of
+torch SDPA per call (docs/KERNEL_NOTES.md, "Tuning history"), which a caller waiting for the
+result pays.
 
 Here an array is a `DeviceView` (pointer, shape, strides, dtype, read straight from CuPy,
 torch or `__cuda_array_interface__`). The compiled kernel is looked up once per (kernel,
@@ -23,9 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash.config import SHARED_MEMORY_BYTES
-
-from . import numba_replay
+from . import replay
+from .gpu import SHARED_MEMORY_BYTES
 
 #: the fields of a Numba array argument, in the order its kernel parameters take them
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
@@ -294,13 +292,13 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
 
 def launch(kernel, grid, block, stream, shared_bytes, *args):
     """kernel[grid, block, stream, shared_bytes](*args) on the current device (the backend
-    makes the arrays' device current first: NumbaBackend._on_device).
+    makes the arrays' device current first: backend.NumbaBackend._on_device).
 
     `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
     simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
     and float32 scalars. NumPy arrays are copied to the GPU and back around the launch, as
-    Numba does (the kernel tests use that; it synchronises). Inside `numba_replay.recording()`
+    Numba does (the kernel tests use that; it synchronises). Inside `replay.recording()`
     the launch is noted for a replay."""
     from numba import config
     if config.ENABLE_CUDASIM:
@@ -323,4 +321,4 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     prepared = prepare(kernel, grid, block, shared_bytes, args, device)
     pointers = [arg.ptr for arg in args if not isinstance(arg, np.float32)]
     prepared(0 if stream is None else int(stream), pointers)  # (a Numba stream gives its handle)
-    numba_replay.note_launch(prepared, pointers)
+    replay.note_launch(prepared, pointers)

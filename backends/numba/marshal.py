@@ -1,16 +1,70 @@
-"""copy_padded: copy a (batch, seqlen, nheads, width) array into one of another head width,
-zero-filling the columns the source lacks. The numba backends use it to hand their cp.async
-loads contiguous, 16-byte aligned copies of inputs they cannot read in place (strided views;
-for the tensor-core kernels also head dims that are not a multiple of 16), and to copy the
-tensor-core kernels' padded results back into the caller's arrays.
+"""The kernels' views of the caller's arrays, and the copies made where a kernel cannot read
+an array in place.
+
+A kernel takes a DeviceView (launch.py) of each array on the GPU, or a NumPy array under the
+simulator; 16-bit data as its bit patterns (uint16) where the kernels decode them. cp.async
+reads rows of 16-byte aligned, contiguous elements: an input that is not like that (a strided
+view, a head dim the tensor-core kernels pad) is copied first into an aligned, zero-padded
+buffer by copy_padded, and an output the kernels cannot write in place is computed into one
+and copied back.
 """
+import numpy as np
 from numba import cuda
 
-from .numba_backend import simulator_enabled
-from .numba_launch import launch
+from numba_flash import _arrays
+
+from .gpu import simulator_enabled
+from .launch import DeviceView, device_view, launch
 
 THREADS = 256
 MAX_BLOCKS = 4096  # grid-stride beyond this: enough blocks to fill any current GPU
+
+
+def view(x, bits=False):
+    """The kernels' view of x, sharing its memory: a DeviceView on the GPU, a NumPy array
+    under the simulator; with bits=True, its 16-bit patterns as uint16."""
+    if type(x).__module__.startswith("torch"):
+        x = x.detach()
+        if bits:
+            import torch
+            x = x.view(torch.int16)  # NumPy has no bfloat16
+    if simulator_enabled():  # the simulator copies its arguments, so only whole buffers
+        result = np.ascontiguousarray(_arrays.as_numpy(x))
+    else:
+        result = device_view(x)
+    return result.view(np.uint16) if bits else result
+
+
+def is_tile_ready(x_view, head_dim):
+    """True if cp.async can copy this view's rows: head_dim columns, unit stride along them
+    and every row starting 16-byte aligned (cp.async copies 16 B)."""
+    if int(x_view.shape[3]) != head_dim or int(x_view.strides[3]) != x_view.dtype.itemsize:
+        return False
+    pointer = x_view.ptr if isinstance(x_view, DeviceView) else x_view.ctypes.data
+    return pointer % 16 == 0 and all(int(s) % 16 == 0 for s in x_view.strides[:3])
+
+
+def tile_ready_input(x, alloc, head_dim, stream, bits=False):
+    """x's view (with bits, of its 16-bit patterns) if cp.async can read it in place, else an
+    aligned copy, zero-padded to head_dim columns. alloc(shape, dtype) makes the copy's
+    array (of the call's library and device)."""
+    x_view = view(x, bits=bits)
+    if is_tile_ready(x_view, head_dim):
+        return x_view
+    shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
+    copy = view(alloc(shape, "int16" if bits else x_view.dtype.name), bits=bits)
+    copy_padded(x_view, copy, stream)
+    return copy
+
+
+def tile_ready_output(x, alloc, head_dim):
+    """(kernel view, the view of x to copy it into afterwards, or None) for a 16-bit output:
+    x's own view where the kernels can write it in place."""
+    x_view = view(x, bits=True)
+    if is_tile_ready(x_view, head_dim):
+        return x_view, None
+    shape = tuple(int(s) for s in x.shape[:3]) + (head_dim,)
+    return view(alloc(shape, "int16"), bits=True), x_view
 
 
 @cuda.jit(cache=True)
@@ -27,7 +81,8 @@ def _copy_padded_kernel(src, dst):
 
 
 def copy_padded(src, dst, stream=0):
-    """dst[..., :w] = src[..., :w] with w = min(widths), and dst[..., w:] = 0, on `stream`."""
+    """dst[..., :w] = src[..., :w] with w = min(widths), and dst[..., w:] = 0, on `stream`:
+    (batch, seqlen, nheads, width) arrays of two head widths."""
     if simulator_enabled():  # NumPy views: a per-element simulated kernel would only be slower
         width = min(src.shape[3], dst.shape[3])
         dst[..., :width] = src[..., :width]

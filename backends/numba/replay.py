@@ -2,12 +2,12 @@
 
 The first call of a signature runs the backend's Python (engine choice, views, padded copies,
 kernel lookup, parameter packing) inside `recording()`, which notes each allocation the backend
-makes (`note_allocation`) and each launch (`note_launch`, from numba_launch.launch). If every
+makes (`note_allocation`) and each launch (`note_launch`, from launch.launch). If every
 address a launch took is the address of exactly one of the call's arrays or allocations,
 `build_replay` turns the record into a `Replay`: later calls of the same signature only
 allocate, read the new addresses and launch. numba_flash/call_cache.py keys replays by
 signature, so everything that decided the record (shapes, strides, dtypes, device, alignment of
-the addresses, causal, scale, backend) is the same when a replay runs.
+the addresses, the spec, backend) is the same when a replay runs.
 """
 import contextlib
 import threading

@@ -5,7 +5,8 @@ from error_rule import assert_within_rule
 from inputs import random_qkv
 
 import numba_flash
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 
 SHAPES = [
     (1, 1, 1, 1, 8),
@@ -20,7 +21,8 @@ SHAPES = [
 
 def _forward_for_backward(q, k, v, causal, scale, dtype):
     """out, lse from the float64 reference, stored like forward would return them."""
-    out, lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    out, lse = attention_forward(np, q, k, v, spec, np.float64)
     return np.ascontiguousarray(out, dtype), np.ascontiguousarray(lse, np.float32)
 
 
@@ -34,8 +36,9 @@ def test_backward_matches_reference(rng, poisoned_outputs, shape, causal, dtype)
     out, lse = _forward_for_backward(q, k, v, causal, scale, dtype)
     grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                  backend="numba")
-    refs = attention_backward(np, dout, q, k, v, out, lse, causal, scale, np.float64)
-    bases = attention_backward(np, dout, q, k, v, out, lse, causal, scale, np.dtype(dtype).type)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    refs = attention_backward(np, dout, q, k, v, out, lse, spec, np.float64)
+    bases = attention_backward(np, dout, q, k, v, out, lse, spec, np.dtype(dtype).type)
     for name, got, base, ref, x in zip(("dq", "dk", "dv"), grads, bases, refs, (q, k, v)):
         assert got.shape == x.shape and got.dtype == np.dtype(dtype)
         assert_within_rule(name, got, base, ref, dtype)
@@ -46,8 +49,9 @@ def test_forward_then_backward_with_numba_outputs(rng):
     dout = rng.standard_normal(q.shape).astype("float32")
     out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
     dq, dk, dv = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend="numba")
-    refs = attention_backward(np, dout, q, k, v, *attention_forward(
-        np, q, k, v, True, 64 ** -0.5, np.float64), True, 64 ** -0.5, np.float64)
+    spec = make_spec(q, causal=True, softmax_scale=64 ** -0.5)
+    refs = attention_backward(np, dout, q, k, v, *attention_forward(np, q, k, v, spec, np.float64),
+                              spec, np.float64)
     for got, ref in zip((dq, dk, dv), refs):
         assert np.abs(got - ref).max() < 1e-4
 
@@ -61,7 +65,8 @@ def test_rows_that_see_no_key_get_zero_gradients(rng, poisoned_outputs):
                                       backend="numba")
     assert np.all(dq[:, :30] == 0.0)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
-    refs = attention_backward(np, dout, q, k, v, out, lse, True, 0.2, np.float64)
+    spec = make_spec(q, causal=True, softmax_scale=0.2)
+    refs = attention_backward(np, dout, q, k, v, out, lse, spec, np.float64)
     for got, ref in zip((dq, dk, dv), refs):
         assert np.abs(got - ref).max() < 1e-4
 

@@ -1,10 +1,13 @@
-"""Repeated calls (numba_flash/call_cache.py, backends/numba_replay.py): a signature seen before
+"""Repeated calls (numba_flash/call_cache.py, backends/numba/replay.py): a signature seen before
 skips the checks and the set-up, yet gives the same results, on the new arrays; bad input still
 meets its error; the launch parameters are packed the way the kernels read them."""
 import contextlib
 import ctypes
 import functools
 import itertools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,8 +16,9 @@ from inputs import random_qkv
 
 import numba_flash
 from numba_flash import _checks, call_cache, registry
-from numba_flash.backends import numba_launch, numba_replay
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.numba import launch as numba_launch, replay as numba_replay
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 
 
 def _numpy_signature(x):
@@ -24,21 +28,44 @@ def _numpy_signature(x):
 
 # -- CPU ----------------------------------------------------------------------------------------
 
-def test_only_device_arrays_and_plain_options_have_signatures(rng, monkeypatch):
+def test_only_device_arrays_have_signatures_and_the_spec_is_part_of_them(rng, monkeypatch):
     q, k, v = random_qkv(rng, 1, 5, 6, 2, 8, "float32")
-    assert call_cache.signature("forward", "auto", False, None, (q, k, v)) is None  # NumPy
+    spec = make_spec(q, causal=True, softmax_scale=0.5)
+    assert call_cache.signature("forward", "auto", spec, (q, k, v)) is None  # NumPy
     torch = pytest.importorskip("torch")
-    assert call_cache.signature("forward", "auto", False, None,
+    assert call_cache.signature("forward", "auto", spec,
                                 [torch.from_numpy(x) for x in (q, k, v)]) is None  # CPU torch
     monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
-    key = call_cache.signature("forward", "auto", True, 0.5, (q, k, v))
-    assert key is not None and key[1] == ("auto", registry.default_backend())
+    key = call_cache.signature("forward", "auto", spec, (q, k, v))
+    assert key is not None and key[1] == ("auto", registry.default_backend()) and spec in key
     with numba_flash.use_backend("numpy"):  # "auto" stands for another default now
-        assert call_cache.signature("forward", "auto", True, 0.5, (q, k, v)) != key
-    # options whose checks depend on their type are never cached
-    for causal, scale in [(1, 0.5), (True, np.float32(0.5)), (True, True), (True, "0.5")]:
-        assert call_cache.signature("forward", "auto", causal, scale, (q, k, v)) is None
-    assert call_cache.signature("forward", "auto", True, 0.5, (q, k[:, :, :, ::2], v)) != key
+        assert call_cache.signature("forward", "auto", spec, (q, k, v)) != key
+    for other in (make_spec(q, causal=False, softmax_scale=0.5), make_spec(q, causal=True)):
+        assert call_cache.signature("forward", "auto", other, (q, k, v)) != key
+    # the same options in another type make the same spec, hence the same signature
+    assert make_spec(q, causal=True, softmax_scale=np.float32(0.5)) == spec
+    assert call_cache.signature("forward", "auto", spec, (q, k[:, :, :, ::2], v)) != key
+    # bad options never reach a signature: the spec refuses them
+    for causal, scale in [(1, 0.5), (True, True), (True, "0.5")]:
+        with pytest.raises(TypeError):
+            make_spec(q, causal=causal, softmax_scale=scale)
+
+
+def test_replays_can_be_turned_off(rng, monkeypatch):
+    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+    q, k, v = random_qkv(rng, 1, 5, 6, 2, 8, "float32")
+    spec = make_spec(q)
+    assert call_cache.signature("forward", "auto", spec, (q, k, v)) is not None
+    monkeypatch.setattr(call_cache, "ENABLED", False)
+    assert call_cache.signature("forward", "auto", spec, (q, k, v)) is None
+
+
+def test_the_environment_variable_turns_replays_off():
+    code = "from numba_flash import call_cache; print(call_cache.ENABLED)"
+    for value, expected in (("0", "False"), ("1", "True"), ("", "True")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, NUMBA_FLASH_REPLAY=value), check=True)
+        assert run.stdout.strip() == expected, value
 
 
 def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monkeypatch):
@@ -51,7 +78,7 @@ def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monke
     q, k, v = random_qkv(rng, 2, 7, 9, 2, 16, "float32")  # same signature, new values
     out, lse = numba_flash.forward(q, k, v, causal=True, backend="numpy")
     assert not checked
-    ref_out, ref_lse = attention_forward(np, q, k, v, True, 16 ** -0.5, np.float64)
+    ref_out, ref_lse = attention_forward(np, q, k, v, make_spec(q, causal=True), np.float64)
     assert np.abs(out - ref_out).max() < 1e-5 and np.abs(lse - ref_lse).max() < 1e-5
     numba_flash.forward(q, k, v, causal=False, backend="numpy")  # another signature: checked
     assert checked == [1]
@@ -202,13 +229,13 @@ def _device_inputs(cp, rng, shape, dtype):
 
 
 def _check_against_reference(cp, q, k, v, dout, out, lse, grads, causal, dtype):
-    scale = q.shape[-1] ** -0.5
-    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
-    base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+    spec = make_spec(q, causal=causal)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+    base_out, base_lse = attention_forward(cp, q, k, v, spec, dtype)
     assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
     assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
-    refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
-    bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, dtype)
+    refs = attention_backward(cp, dout, q, k, v, out, lse, spec, "float64")
+    bases = attention_backward(cp, dout, q, k, v, out, lse, spec, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
 
@@ -222,13 +249,13 @@ def test_repeated_calls_replay_the_launches(cp, rng, poisoned_outputs, monkeypat
     """The second and third calls of a signature run as replays (the backend's Python is not
     entered), on fresh inputs, poisoned outputs: reference results, and bitwise the results of
     the full path on the same inputs."""
-    from numba_flash.backends.numba_backend import NumbaBackend
+    from numba_flash.backends.numba.backend import NumbaBackend
     shape = (2, 333, 517, 3, headdim)
     q, k, v, dout = _device_inputs(cp, rng, shape, dtype)
     out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
     numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend="numba")
     for operation, arrays in (("forward", (q, k, v)), ("backward", (dout, q, k, v, out, lse))):
-        key = call_cache.signature(operation, "numba", causal, None, arrays)
+        key = call_cache.signature(operation, "numba", make_spec(q, causal=causal), arrays)
         assert isinstance(call_cache.get(key), numba_replay.Replay), operation
     full_path = {"forward": NumbaBackend.forward, "backward": NumbaBackend.backward}
     for _ in range(2):
@@ -261,7 +288,7 @@ def test_replays_follow_the_alignment_of_the_addresses(cp, rng):
             out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
             grads = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend="numba")
             _check_against_reference(cp, q, k, v, dout, out, lse, grads, True, "float16")
-    aligned = call_cache.signature("forward", "numba", True, None, (q, k, v))
+    aligned = call_cache.signature("forward", "numba", make_spec(q, causal=True), (q, k, v))
     assert isinstance(call_cache.get(aligned), numba_replay.Replay)
 
 
@@ -277,7 +304,7 @@ def test_a_replay_runs_on_the_stream_current_at_its_call(cp, rng, launch_streams
         later = out * 1
     stream.synchronize()
     assert launch_streams[-1] == stream.ptr
-    ref, _ = attention_forward(cp, q2, k, v, False, 64 ** -0.5, "float64")
+    ref, _ = attention_forward(cp, q2, k, v, make_spec(q2), "float64")
     assert float(cp.abs(later.astype(cp.float64) - ref).max()) < 1e-3
 
 
@@ -296,7 +323,7 @@ def test_a_replayed_backward_follows_q_not_dout(cp, rng, launch_streams):
         grads = [numba_flash.backward(dout, q, k, v, out, lse, backend="numba")
                  for _ in range(2)]  # the full path, then a replay
     stream.synchronize()
-    key = call_cache.signature("backward", "numba", False, None, (dout, q, k, v, out, lse))
+    key = call_cache.signature("backward", "numba", make_spec(q), (dout, q, k, v, out, lse))
     assert isinstance(call_cache.get(key), numba_replay.Replay)
     assert launch_streams[-6:] == [stream.cuda_stream] * 6
     assert all(isinstance(g, torch.Tensor) for g in grads[1])
@@ -318,7 +345,7 @@ def test_aliased_inputs_replay_and_record(cp, rng):
         _check_against_reference(cp, x, x, x, dout, out, lse, grads, False, "float16")
         call_cache.clear()
     numba_flash.forward(x, x, x, backend="numba")
-    replay = call_cache.get(call_cache.signature("forward", "numba", False, None, (x, x, x)))
+    replay = call_cache.get(call_cache.signature("forward", "numba", make_spec(x), (x, x, x)))
     assert isinstance(replay, functools.partial)
 
 
@@ -333,9 +360,9 @@ def test_torch_bfloat16_calls_replay(cp, rng):
         out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba")
         assert out.dtype == torch.bfloat16
         exact = [cp.from_dlpack(x.float()) for x in (q, k, v)]
-        ref_out, _ = attention_forward(cp, *exact, True, 128 ** -0.5, "float64")
-        base_out, _ = plain16_forward(cp, *exact, True, 128 ** -0.5, "bfloat16")
+        ref_out, _ = attention_forward(cp, *exact, make_spec(exact[0], causal=True), "float64")
+        base_out, _ = plain16_forward(cp, *exact, make_spec(exact[0], causal=True), "bfloat16")
         assert_within_rule("out", out.float().cpu().numpy(), base_out.get(), ref_out.get(),
                            "bfloat16")
-    key = call_cache.signature("forward", "numba", True, None, (q, k, v))
+    key = call_cache.signature("forward", "numba", make_spec(q, causal=True), (q, k, v))
     assert isinstance(call_cache.get(key), numba_replay.Replay)

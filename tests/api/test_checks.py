@@ -13,7 +13,7 @@ def qkv(rng):
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
     """Any kernel launch during these tests is a failure: errors must come first."""
-    from numba_flash.backends import numba_backend
+    from numba_flash.backends.numba import backend as numba_backend
 
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched for bad input")
@@ -95,10 +95,12 @@ def test_softmax_scale_outside_float32(qkv, scale):
         numba_flash.forward(*qkv, softmax_scale=scale)
 
 
-def test_softmax_scale_not_a_number(qkv):
+@pytest.mark.parametrize("scale", ["big", "0.5", True, b"1"])
+def test_softmax_scale_not_a_number(qkv, scale):
+    """Strings and bools are refused although float() would take some of them."""
     with pytest.raises(TypeError, match="softmax_scale must be a finite positive number or None;"
-                                        " got 'big'"):
-        numba_flash.forward(*qkv, softmax_scale="big")
+                                        f" got {scale!r}"):
+        numba_flash.forward(*qkv, softmax_scale=scale)
 
 
 def test_causal_must_be_bool(qkv):
@@ -134,7 +136,7 @@ def test_host_arrays_to_a_gpu_only_backend(qkv):
 
 
 def test_numba_refuses_host_arrays_outside_the_simulator(qkv, monkeypatch):
-    from numba_flash.backends import numba_backend
+    from numba_flash.backends.numba import backend as numba_backend
     monkeypatch.setattr(numba_backend, "simulator_enabled", lambda: False)
     monkeypatch.setattr(numba_backend.NumbaBackend, "available", lambda self: None)
     with pytest.raises(ValueError, match="takes device arrays .*got host arrays"):

@@ -5,14 +5,16 @@ from error_rule import assert_within_rule
 from inputs import random_qkv
 
 import numba_flash
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 
 
 def _check_forward(q, k, v, causal, dtype="float32"):
     scale = q.shape[-1] ** -0.5
     out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, base_lse = attention_forward(np, q, k, v, causal, scale, np.dtype(dtype).type)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, base_lse = attention_forward(np, q, k, v, spec, np.dtype(dtype).type)
     assert_within_rule("out", out, base_out, ref_out, dtype)
     assert_within_rule("lse", lse, base_lse, ref_lse, dtype)
     return out, lse
@@ -62,6 +64,6 @@ def test_transposed_bhnd_views(rng):
     dout = rng.standard_normal(views[0].shape).astype("float32")
     out, lse = numba_flash.forward(*views, backend="numba")
     grads = numba_flash.backward(dout, *views, out, lse, backend="numba")
-    refs = attention_backward(np, dout, *views, out, lse, False, 0.25, np.float64)
+    refs = attention_backward(np, dout, *views, out, lse, make_spec(views[0]), np.float64)
     for got, ref in zip(grads, refs):
         assert np.abs(got - ref).max() < 1e-4

@@ -5,7 +5,8 @@ from error_rule import assert_within_rule
 from inputs import random_qkv
 
 import numba_flash
-from numba_flash.standard_attention import attention_forward
+from numba_flash.reference import attention_forward
+from numba_flash.spec import make_spec
 
 # (batch, seqlen_q, seqlen_k, nheads, headdim): odd sizes, seqlen_q != seqlen_k both ways,
 # lengths that are not multiples of any tile, head dims from every config bucket.
@@ -30,8 +31,9 @@ def test_forward_matches_reference(rng, poisoned_outputs, shape, causal, dtype):
     scale = float(rng.uniform(0.05, 0.5))
     out, lse = numba_flash.forward(q, k, v, causal=causal, softmax_scale=scale, backend="numba")
     assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, base_lse = attention_forward(np, q, k, v, causal, scale, np.dtype(dtype).type)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, base_lse = attention_forward(np, q, k, v, spec, np.dtype(dtype).type)
     assert_within_rule("out", out, base_out, ref_out, dtype)
     assert_within_rule("lse", lse, base_lse, ref_lse, dtype)
 
@@ -40,7 +42,8 @@ def test_forward_matches_reference(rng, poisoned_outputs, shape, causal, dtype):
 def test_default_scale_is_inverse_sqrt_headdim(rng, causal):
     q, k, v = random_qkv(rng, 1, 20, 24, 1, 48, "float32")
     out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, 48 ** -0.5, np.float64)
+    spec = make_spec(q, causal=causal, softmax_scale=48 ** -0.5)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     assert np.abs(out - ref_out).max() < 1e-5
     assert np.abs(lse - ref_lse).max() < 1e-5
 
@@ -52,7 +55,8 @@ def test_rows_that_see_no_key_get_zero_and_minus_inf(rng, poisoned_outputs):
     assert np.all(out[:, :30] == 0.0)
     assert np.all(np.isneginf(lse[:, :, :30]))
     assert np.all(np.isfinite(lse[:, :, 30:])) and not np.isnan(out).any()
-    ref_out, _ = attention_forward(np, q, k, v, True, 32 ** -0.5, np.float64)
+    spec = make_spec(q, causal=True, softmax_scale=32 ** -0.5)
+    ref_out, _ = attention_forward(np, q, k, v, spec, np.float64)
     assert np.abs(out - ref_out).max() < 1e-5
 
 
@@ -61,7 +65,8 @@ def test_large_logits_do_not_overflow(rng):
     q *= 30.0
     k *= 30.0
     out, lse = numba_flash.forward(q, k, v, backend="numba")
-    ref_out, ref_lse = attention_forward(np, q, k, v, False, 32 ** -0.5, np.float64)
+    spec = make_spec(q, causal=False, softmax_scale=32 ** -0.5)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert np.abs(out - ref_out).max() < 1e-4
     assert np.abs(lse - ref_lse).max() / np.abs(ref_lse).max() < 1e-6

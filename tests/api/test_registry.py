@@ -74,8 +74,10 @@ def test_auto_uses_the_first_backend_that_supports_the_call(rng):
 def test_auto_result_matches_reference(rng):
     q, k, v = random_qkv(rng, 1, 9, 12, 2, 16, "float64")
     out, lse = numba_flash.forward(q, k, v, causal=True)
-    from numba_flash.standard_attention import attention_forward
-    ref_out, ref_lse = attention_forward(np, q, k, v, True, 0.25, np.float64)
+    from numba_flash.reference import attention_forward
+    from numba_flash.spec import make_spec
+    spec = make_spec(q, causal=True, softmax_scale=0.25)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     assert np.array_equal(out, ref_out) and np.allclose(lse, ref_lse, rtol=1e-6)
 
 
@@ -93,7 +95,7 @@ def test_available_backends_gives_reasons_without_a_gpu(monkeypatch):
     assert available["numpy"] is None
     assert available["numba"] is None  # the tests run the kernels in the simulator
     # Outside the simulator, on this GPU-less machine, numba says what is missing.
-    from numba_flash.backends import numba_backend
+    from numba_flash.backends.numba import backend as numba_backend
     monkeypatch.setattr(numba_backend, "simulator_enabled", lambda: False)
     monkeypatch.setattr("numba.cuda.is_available", lambda: False)
     reason = numba_flash.available_backends()["numba"]

@@ -1,4 +1,4 @@
-"""backends/numba_launch.py: array views and kernel parameters as Numba's kernel ABI lays them
+"""backends/numba/launch.py: array views and kernel parameters as Numba's kernel ABI lays them
 out (CPU), and launches on the GPU (the kernels' own GPU tests run through it too)."""
 import gc
 import os
@@ -9,8 +9,8 @@ import weakref
 import numpy as np
 import pytest
 
-from numba_flash.backends import numba_launch
-from numba_flash.backends.numba_launch import DeviceView, device_view, is_c_contiguous
+from numba_flash.backends.numba import launch as numba_launch
+from numba_flash.backends.numba.launch import DeviceView, device_view, is_c_contiguous
 
 
 class InterfaceOnly:
@@ -118,7 +118,7 @@ def test_views_of_cupy_and_torch(cp):
 @pytest.mark.gpu
 def test_launches_on_the_given_stream(cp, launch_streams):
     """The copy kernel through launch(): right result, on the stream handle given."""
-    from numba_flash.backends.numba_copy import copy_padded
+    from numba_flash.backends.numba.marshal import copy_padded
     src = cp.random.standard_normal((2, 7, 3, 5)).astype(cp.float16)
     dst = cp.full((2, 7, 3, 8), cp.nan, cp.float16)
     stream = cp.cuda.Stream(non_blocking=True)

@@ -6,56 +6,67 @@ from error_rule import assert_within_rule
 from inputs import random_qkv
 
 import numba_flash
-from numba_flash.backends import numba_backend
-from numba_flash.backends.numba_backend import MMA, SIMT, is_tile_ready, mma_head_dim
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.numba.marshal import is_tile_ready
+from numba_flash.backends.numba.mma import engine as mma_engine
+from numba_flash.backends.numba.mma.config import mma_head_dim
+from numba_flash.backends.numba.simt import engine as simt_engine
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 from numba_flash.testing import plain16_backward, plain16_forward, round16
+
+MMA, SIMT = "tensor cores", "SIMT"
+
+
+def engine_of(backend, q):
+    """(the name of the engine backend `backend` runs q's call on, or None; the reasons)."""
+    chosen, reason = numba_flash.get_backend(backend).engine(make_spec(q), q, q, q)
+    return (None if chosen is None else chosen.name), reason
 
 
 def test_numba_uses_simt_in_the_simulator_and_numba_mma_tensor_cores(rng):
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 16, "float16")
-    assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
-    assert numba_flash.get_backend("numba-mma").engine(q) == (MMA, None)
-    assert numba_flash.get_backend("numba-simt").engine(q) == (SIMT, None)
+    assert engine_of("numba", q) == (SIMT, None)
+    assert engine_of("numba-mma", q) == (MMA, None)
+    assert engine_of("numba-simt", q) == (SIMT, None)
     torch = pytest.importorskip("torch")
-    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (SIMT, None)
+    assert engine_of("numba", torch.from_numpy(q).bfloat16()) == (SIMT, None)
 
 
 @pytest.fixture
 def on_a_gpu(monkeypatch):
     """Pretend the arrays are on a GPU of a given compute capability."""
     def set_capability(cc):
-        monkeypatch.setattr(numba_backend, "simulator_enabled", lambda: False)
-        monkeypatch.setattr(numba_backend, "compute_capability", lambda device: cc)
-        monkeypatch.setattr(numba_backend._arrays, "device_id", lambda x: 0)
+        for module in (mma_engine, simt_engine):
+            monkeypatch.setattr(module, "simulator_enabled", lambda: False)
+            monkeypatch.setattr(module, "compute_capability", lambda device: cc)
+        monkeypatch.setattr(mma_engine._arrays, "device_id", lambda x: 0)
     return set_capability
 
 
 def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
     on_a_gpu((9, 0))
-    numba = numba_flash.get_backend("numba")
     q16, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float16")
     q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float32")
     d200, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")
     wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 272, "float16")  # (beyond what the API takes)
-    assert numba.engine(q16) == (MMA, None)
-    assert numba.engine(q32) == (SIMT, None)  # float32: tensor cores are for 16-bit types
-    assert numba.engine(d200) == (MMA, None)
-    assert numba.engine(wide) == (SIMT, None)  # no tensor-core config
-    engine, reason = numba_flash.get_backend("numba-mma").engine(wide)
-    assert engine is None and "headdim <= 256, not 272" in reason
+    assert engine_of("numba", q16) == (MMA, None)
+    assert engine_of("numba", q32) == (SIMT, None)  # float32: tensor cores are for 16-bit types
+    assert engine_of("numba", d200) == (MMA, None)
+    assert engine_of("numba", wide) == (SIMT, None)  # no tensor-core config
+    chosen, reason = engine_of("numba-mma", wide)
+    assert chosen is None and "headdim <= 256, not 272" in reason
 
 
 def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
     torch = pytest.importorskip("torch")
     on_a_gpu((7, 5))
     q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
-    assert numba_flash.get_backend("numba").engine(q) == (SIMT, None)
-    engine, reason = numba_flash.get_backend("numba-mma").engine(q)
-    assert engine is None
+    assert engine_of("numba", q) == (SIMT, None)
+    chosen, reason = engine_of("numba-mma", q)
+    assert chosen is None
     assert "need compute capability 8.0 or newer; this GPU has 7.5" in reason
-    engine, reason = numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16())
-    assert engine is None
+    chosen, reason = engine_of("numba", torch.from_numpy(q).bfloat16())
+    assert chosen is None
     assert "bfloat16 needs compute capability 8.0 or newer; this GPU has 7.5" in reason
 
 
@@ -63,15 +74,16 @@ def test_bfloat16_up_to_head_dim_256_uses_tensor_cores_on_sm80(rng, on_a_gpu):
     torch = pytest.importorskip("torch")
     on_a_gpu((8, 0))
     q, _, _ = random_qkv(rng, 1, 4, 4, 1, 256, "float32")
-    assert numba_flash.get_backend("numba").engine(torch.from_numpy(q).bfloat16()) == (MMA, None)
+    assert engine_of("numba", torch.from_numpy(q).bfloat16()) == (MMA, None)
 
 
 def test_numba_mma_refuses_float32_and_numba_simt_float64(rng):
     q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 16, "float32")
-    reason = numba_flash.get_backend("numba-mma").engine(q32)[1]
+    reason = engine_of("numba-mma", q32)[1]
     assert "take float16 or bfloat16, not float32" in reason
     q64, _, _ = random_qkv(rng, 1, 4, 4, 1, 16, "float64")
-    assert "not supported" in numba_flash.get_backend("numba-simt").supports(q64, q64, q64)
+    assert "not supported" in numba_flash.get_backend("numba-simt").supports(make_spec(q64), q64,
+                                                                             q64, q64)
 
 
 def test_mma_head_dims():
@@ -120,23 +132,22 @@ def test_16_bit_inputs_through_the_api(rng, poisoned_outputs, backend, shape, dt
     if dtype == "bfloat16":
         pytest.importorskip("torch")
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
-    causal, scale = True, head_dim ** -0.5
     q, k, v, dout = (round16(np, x, dtype) for x in
                      random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, "float32")
                      + (rng.standard_normal((batch, seqlen_q, nheads, head_dim)),))
     args = [_encode(x, dtype) for x in (q, k, v)]
-    out, lse = numba_flash.forward(*args, causal=causal, backend=backend)
+    out, lse = numba_flash.forward(*args, causal=True, backend=backend)
     assert type(out) is type(args[0]) and out.dtype == args[0].dtype
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, base_lse = plain16_forward(np, q, k, v, causal, scale, dtype)
+    spec = make_spec(q, causal=True)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, base_lse = plain16_forward(np, q, k, v, spec, dtype)
     assert_within_rule("out", _host(out), base_out, ref_out, dtype)
     assert_within_rule("lse", _host(lse), base_lse, ref_lse, dtype)
     out_values = _host(out)
-    grads = numba_flash.backward(_encode(dout, dtype), *args, out, lse, causal=causal,
+    grads = numba_flash.backward(_encode(dout, dtype), *args, out, lse, causal=True,
                                  backend=backend)
-    refs = attention_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale,
-                              np.float64)
-    bases = plain16_backward(np, dout, q, k, v, out_values, _host(lse), causal, scale, dtype)
+    refs = attention_backward(np, dout, q, k, v, out_values, _host(lse), spec, np.float64)
+    bases = plain16_backward(np, dout, q, k, v, out_values, _host(lse), spec, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert type(got) is type(args[0]) and got.shape == ref.shape
         assert_within_rule(name, _host(got), base, ref, dtype)

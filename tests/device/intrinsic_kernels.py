@@ -1,13 +1,12 @@
-"""Small kernels exercising each intrinsic; used by tests/test_intrinsics.py (simulator and GPU)
+"""Small kernels exercising each intrinsic; used by test_intrinsics.py (simulator and GPU)
 and compiled to PTX by its PTX test. Each launches with whole warps."""
 from numba import cuda
 from numba.core.types import float16, float32, uint16
 
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait,
-                                    exp2, ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans,
-                                    ldmatrix_x4_trans_at, mma_bf16, mma_f16, opaque, pack_bf16x2,
-                                    pack_f16x2, shared_address, shared_tile, shfl_xor,
-                                    unpack_bf16x2, unpack_f16x2)
+from numba_flash.backends.numba.device.intrinsics import (
+    SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait, exp2, ldmatrix_x4, ldmatrix_x4_at,
+    ldmatrix_x4_trans, ldmatrix_x4_trans_at, mma_bf16, mma_f16, opaque, pack_bf16x2, pack_f16x2,
+    shared_address, shared_tile, shfl_xor, unpack_bf16x2, unpack_f16x2)
 
 
 def _make_mma_kernel(mma, name):

@@ -202,19 +202,19 @@ def test_intrinsics_compile_to_the_intended_ptx():
 
 def test_twins_refuse_misaligned_addresses():
     """The hardware requires 16-byte alignment for ldmatrix and cp.async; so do the twins."""
-    from numba_flash import intrinsics
+    from numba_flash.backends.numba.device.intrinsics import cp_async, ldmatrix, shared
     tile = np.zeros((16, 16), np.float16)
     src = np.zeros((1, 16, 1, 16), np.float16)
     with pytest.raises(ValueError, match="not 16-byte aligned"):
-        intrinsics._cp_async_16_python(tile, 0, 4, src, 0, 0, 0, 0, 16)
+        cp_async._cp_async_16_python(tile, 0, 4, src, 0, 0, 0, 0, 16)
     with pytest.raises(ValueError, match="not 16-byte aligned"):
-        intrinsics._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 3, 16)
-    intrinsics._cp_async_16_python(tile, 0, 8, src + 1, 0, 0, 0, 8, 6)  # 3 halves, then zeros
-    intrinsics._cp_async_commit_python()
-    intrinsics._cp_async_wait_python(0)
+        cp_async._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 3, 16)
+    cp_async._cp_async_16_python(tile, 0, 8, src + 1, 0, 0, 0, 8, 6)  # 3 halves, then zeros
+    cp_async._cp_async_commit_python()
+    cp_async._cp_async_wait_python(0)
     assert np.array_equal(tile[0, 8:16], [1, 1, 1, 0, 0, 0, 0, 0])
-    base = intrinsics._shared_address_python(tile, 0, 8)
-    ldmatrix_at = intrinsics._ldmatrix_at_python(transpose=False)
+    base = shared._shared_address_python(tile, 0, 8)
+    ldmatrix_at = ldmatrix._ldmatrix_at_python(transpose=False)
     for offset in (2, -32, 2 * 16 * 16):  # mid-row; before the tile; past its last row
         with pytest.raises(ValueError, match="is not the start of 8 elements of a row"):
             ldmatrix_at(base, offset)
@@ -224,19 +224,19 @@ def test_cp_async_twin_lands_copies_only_at_the_wait_that_covers_them():
     """Until a wait covers a copy its 16 bytes hold NaN, so a kernel that reads a tile too
     early fails under the simulator as it could on the GPU; wait(n) leaves the newest n
     committed groups in flight, and copies not yet committed are not waited for."""
-    from numba_flash import intrinsics
+    from numba_flash.backends.numba.device.intrinsics import cp_async
     tile = np.zeros((3, 4), np.float32)
     src = np.arange(1, 13, dtype=np.float32).reshape(1, 3, 1, 4)
-    intrinsics._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 0, 16)
-    intrinsics._cp_async_commit_python()
-    intrinsics._cp_async_16_python(tile, 1, 0, src, 0, 1, 0, 0, 16)
-    intrinsics._cp_async_commit_python()
-    intrinsics._cp_async_16_python(tile, 2, 0, src, 0, 2, 0, 0, 16)  # not committed
+    cp_async._cp_async_16_python(tile, 0, 0, src, 0, 0, 0, 0, 16)
+    cp_async._cp_async_commit_python()
+    cp_async._cp_async_16_python(tile, 1, 0, src, 0, 1, 0, 0, 16)
+    cp_async._cp_async_commit_python()
+    cp_async._cp_async_16_python(tile, 2, 0, src, 0, 2, 0, 0, 16)  # not committed
     assert np.isnan(tile).all()
-    intrinsics._cp_async_wait_python(1)
+    cp_async._cp_async_wait_python(1)
     assert np.array_equal(tile[0], [1, 2, 3, 4]) and np.isnan(tile[1:]).all()
-    intrinsics._cp_async_wait_python(0)
+    cp_async._cp_async_wait_python(0)
     assert np.array_equal(tile[1], [5, 6, 7, 8]) and np.isnan(tile[2]).all()
-    intrinsics._cp_async_commit_python()
-    intrinsics._cp_async_wait_python(0)
+    cp_async._cp_async_commit_python()
+    cp_async._cp_async_wait_python(0)
     assert np.array_equal(tile[2], [9, 10, 11, 12])

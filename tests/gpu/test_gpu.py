@@ -4,7 +4,8 @@ import pytest
 from error_rule import assert_within_rule
 
 import numba_flash
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -41,8 +42,9 @@ def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype, backend):
     _poison(cp, 16 * q.nbytes)
     out, lse = numba_flash.forward(q, k, v, causal=causal, backend=backend)
     assert isinstance(out, cp.ndarray) and out.dtype == q.dtype and lse.dtype == cp.float32
-    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
-    base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+    base_out, base_lse = attention_forward(cp, q, k, v, spec, dtype)
     assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
     assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
 
@@ -50,8 +52,8 @@ def test_numba_forward_backward_on_gpu(cp, rng, shape, causal, dtype, backend):
     lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
     _poison(cp, 16 * q.nbytes)
     grads = numba_flash.backward(dout, q, k, v, out_in, lse_in, causal=causal, backend=backend)
-    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, "float64")
-    bases = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64")
+    bases = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, got.get(), base.get(), ref.get(), dtype)
 
@@ -90,8 +92,9 @@ def test_tensor_core_backend_on_gpu(cp, rng, shape, causal, dtype):
     _poison(cp, 16 * q.nbytes)
     out, lse = numba_flash.forward(*arrays[:3], causal=causal, backend="numba-mma")
     assert type(out) is type(arrays[0]) and out.dtype == arrays[0].dtype
-    ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
-    base_out, base_lse = plain16_forward(cp, q, k, v, causal, scale, dtype)
+    spec = make_spec(q, causal=causal, softmax_scale=scale)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+    base_out, base_lse = plain16_forward(cp, q, k, v, spec, dtype)
     assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
     assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), dtype)
 
@@ -104,8 +107,8 @@ def test_tensor_core_backend_on_gpu(cp, rng, shape, causal, dtype):
     _poison(cp, 16 * q.nbytes)
     grads = numba_flash.backward(arrays[3], *arrays[:3], out_arg, lse_arg, causal=causal,
                                  backend="numba-mma")
-    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, "float64")
-    bases = plain16_backward(cp, dout, q, k, v, out_in, lse_in, causal, scale, dtype)
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64")
+    bases = plain16_backward(cp, dout, q, k, v, out_in, lse_in, spec, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, _host(got), base.get(), ref.get(), dtype)
 
@@ -120,15 +123,16 @@ def test_tensor_core_backend_reads_strided_and_misaligned_views(cp, rng):
         q, k, v = (packed[:, :, :, i, start:start + headdim] for i in range(3))
         for causal in (False, True):
             out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba-mma")
-            ref_out, _ = attention_forward(cp, q, k, v, causal, headdim ** -0.5, "float64")
-            base_out, _ = attention_forward(cp, q, k, v, causal, headdim ** -0.5, "float16")
+            spec = make_spec(q, causal=causal, softmax_scale=headdim ** -0.5)
+            ref_out, _ = attention_forward(cp, q, k, v, spec, "float64")
+            base_out, _ = attention_forward(cp, q, k, v, spec, "float16")
             assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), "float16")
             dout = cp.ascontiguousarray(q[:, :, :, ::-1])
             grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
                                          backend="numba-mma")
-            refs = attention_backward(cp, dout, q, k, v, out, lse, causal, headdim ** -0.5,
+            refs = attention_backward(cp, dout, q, k, v, out, lse, spec,
                                       "float64")
-            bases = attention_backward(cp, dout, q, k, v, out, lse, causal, headdim ** -0.5,
+            bases = attention_backward(cp, dout, q, k, v, out, lse, spec,
                                        "float16")
             for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
                 assert_within_rule(name, got.get(), base.get(), ref.get(), "float16")
@@ -147,15 +151,16 @@ def test_simt_backend_reads_strided_and_misaligned_float32_views(cp, rng):
         for causal in (False, True):
             _poison(cp, 16 * q.nbytes)
             out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
-            ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
-            base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, "float32")
+            spec = make_spec(q, causal=causal, softmax_scale=scale)
+            ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+            base_out, base_lse = attention_forward(cp, q, k, v, spec, "float32")
             assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), "float32")
             assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), "float32")
             _poison(cp, 16 * q.nbytes)
             grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
                                          backend="numba")
-            refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
-            bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float32")
+            refs = attention_backward(cp, dout, q, k, v, out, lse, spec, "float64")
+            bases = attention_backward(cp, dout, q, k, v, out, lse, spec, "float32")
             for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
                 assert_within_rule(name, got.get(), base.get(), ref.get(), "float32")
 
@@ -163,7 +168,8 @@ def test_simt_backend_reads_strided_and_misaligned_float32_views(cp, rng):
 def test_cupy_backend_matches_reference(cp, rng):
     q, k, v, dout = _inputs(cp, rng, (1, 300, 400, 2, 64), "float32")
     out, lse = numba_flash.forward(q, k, v, causal=True, backend="cupy")
-    ref_out, ref_lse = attention_forward(np, q.get(), k.get(), v.get(), True, 0.125, np.float64)
+    spec = make_spec(q.get(), causal=True, softmax_scale=0.125)
+    ref_out, ref_lse = attention_forward(np, q.get(), k.get(), v.get(), spec, np.float64)
     assert np.abs(out.get() - ref_out).max() < 1e-5
     assert np.abs(lse.get() - ref_lse).max() < 1e-5
 
@@ -192,7 +198,8 @@ def test_runs_on_the_callers_stream(cp, rng, launch_streams):
         doubled = out * 1  # later work on the same stream sees the finished output
     stream.synchronize()
     assert launch_streams == [stream.ptr]
-    ref, _ = attention_forward(cp, q * 2, k, v, False, 64 ** -0.5, "float64")
+    spec = make_spec(q * 2, causal=False, softmax_scale=64 ** -0.5)
+    ref, _ = attention_forward(cp, q * 2, k, v, spec, "float64")
     assert float(cp.abs(doubled.astype(cp.float64) - ref).max()) < 1e-3
 
 
@@ -225,7 +232,8 @@ def test_numba_device_arrays_in_and_out(cp, rng):
     qn, kn, vn = (cuda.to_device(x.get()) for x in (q, k, v))
     out, lse = numba_flash.forward(qn, kn, vn, backend="numba")
     assert cuda.is_cuda_array(out) and not isinstance(out, cp.ndarray)
-    ref_out, _ = attention_forward(np, q.get(), k.get(), v.get(), False, 32 ** -0.5, np.float64)
+    spec = make_spec(q.get(), causal=False, softmax_scale=32 ** -0.5)
+    ref_out, _ = attention_forward(np, q.get(), k.get(), v.get(), spec, np.float64)
     assert np.abs(out.copy_to_host() - ref_out).max() < 1e-5
 
 
@@ -268,8 +276,8 @@ def test_numba_arrays_run_on_the_stream_their_interface_names(rng, launch_stream
     out, _ = numba_flash.forward(q, k, v, backend="numba")
     stream.synchronize()
     assert launch_streams == [int(stream)]
-    ref, _ = attention_forward(np, *(x.copy_to_host() for x in (q, k, v)), False, 32 ** -0.5,
-                               np.float64)
+    host = [x.copy_to_host() for x in (q, k, v)]
+    ref, _ = attention_forward(np, *host, make_spec(host[0]), np.float64)
     assert np.abs(out.copy_to_host() - ref).max() < 1e-5
 
 
@@ -282,8 +290,9 @@ def test_strided_device_inputs(cp, rng):
     for args in ((q, k, v), (bhnd.transpose(0, 2, 1, 3), k, v)):
         assert not args[0].flags.c_contiguous
         out, lse = numba_flash.forward(*args, causal=True, backend="numba")
-        ref, _ = attention_forward(cp, *args, True, 0.125, "float64")
-        base, _ = attention_forward(cp, *args, True, 0.125, "float16")
+        spec = make_spec(args[0], causal=True)
+        ref, _ = attention_forward(cp, *args, spec, "float64")
+        base, _ = attention_forward(cp, *args, spec, "float16")
         assert_within_rule("out", out.get(), base.get(), ref.get(), "float16")
 
 
@@ -302,10 +311,11 @@ def test_arrays_on_a_second_gpu(cp, rng, backend):
         grads = numba_flash.backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
     assert {x.device.id for x in (out, lse, *grads)} == {1}
     with cp.cuda.Device(1):
-        ref_out, ref_lse = attention_forward(cp, q, k, v, causal, scale, "float64")
-        base_out, base_lse = attention_forward(cp, q, k, v, causal, scale, dtype)
-        refs = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, "float64")
-        bases = attention_backward(cp, dout, q, k, v, out, lse, causal, scale, dtype)
+        spec = make_spec(q, causal=causal, softmax_scale=scale)
+        ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+        base_out, base_lse = attention_forward(cp, q, k, v, spec, dtype)
+        refs = attention_backward(cp, dout, q, k, v, out, lse, spec, "float64")
+        bases = attention_backward(cp, dout, q, k, v, out, lse, spec, dtype)
     assert_within_rule("out", out.get(), base_out.get(), ref_out.get(), dtype)
     assert_within_rule("lse", lse.get(), base_lse.get(), ref_lse.get(), dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):

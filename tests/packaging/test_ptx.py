@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ptx_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ptx_check.py"
 OPT_IN_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}  # per block, as in ptx_check.py
 # Both architectures for the head dims that matter most; the other config buckets once. The
 # float16 and bfloat16 tensor-core kernels differ only in their mma and packing instructions

@@ -6,7 +6,7 @@ serves both types.
 """
 from numba import cuda, uint16, uint32
 
-from numba_flash.intrinsics import pack_bf16x2, unpack_bf16x2, unpack_f16x2
+from .intrinsics import pack_bf16x2, unpack_bf16x2, unpack_f16x2
 
 
 @cuda.jit(device=True, inline="always")

@@ -1,13 +1,11 @@
 """FlashAttention backward on tensor cores (mma.sync m16n8k16), deterministic, in Numba.
 
-Used by the "numba" backend for float16/bfloat16 on sm_80+ and by "numba-mma"
-(backends/numba_backend.py). Checked against float64 under the simulator and on an H200
-(tests/test_mma_backward.py, tests/test_gpu.py, scripts/verify.py), the ldmatrix addressing
-(intrinsics.ldmatrix_x4_at) included.
+Run by the tensor-core engine (engine.py) for float16/bfloat16 on sm_80+.
 
-Same math and the same three launches as the SIMT backward (backends/numba_simt_bwd.py), with
-P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse, and no atomics:
-  1. `delta`: D_i = rowsum(dO_i ∘ O_i), one thread per row.
+Same math and the same three launches as the SIMT backward (simt/bwd.py), with
+P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse
+(device/softmax.py), and no atomics:
+  1. `delta`: D_i = rowsum(dO_i ∘ O_i), one thread per row (device/delta.py).
   2. `dk_dv`: one block per key tile, warp w owning 16 keys. For each query tile that can see
      the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (tensor cores, B fragments by ldmatrix), Pᵀ and
      dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ / dSᵀ packed
@@ -27,24 +25,17 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16
 
-from numba_flash.config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
-from numba_flash.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, exp2,
-                                    opaque, shared_tile)
-
-from .numba_bits16 import bf16_bits_to_float32, f16_bits_to_float32
-from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin,
-                              query_tile)
-from .numba_simt_bwd import DELTA_THREADS, delta_kernel_function
-from .numba_launch import launch
-from .numba_mma_tiles import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
-                              make_cp_async_loader, make_warp_accumulate, make_warp_scores,
-                              make_warp_store, x4_address)
-
-
-def mma_delta_kernel_function(head_dim, bf16):
-    """The delta kernel of the SIMT backward, reading 16-bit patterns."""
-    return delta_kernel_function(head_dim,
-                                 bf16_bits_to_float32 if bf16 else f16_bits_to_float32)
+from ..device.block_range import PARTIAL, make_block_range
+from ..device.constants import LOG2E, ONE, POS_INF, ZERO
+from ..device.delta import launch_delta
+from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
+from ..device.mask import make_mask
+from ..device.softmax import grad_score, lse_log2, probability
+from ..device.tile_copy import make_cp_async_loader
+from ..launch import launch
+from .config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
+from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
+                        make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
 
 
 def _check_split(stages, head_dim, d_split):
@@ -56,13 +47,15 @@ def _check_split(stages, head_dim, d_split):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, d_split=1):
-    """dK, dV for one tile of 16·warps keys, looping over query tiles of block_m. With stages
+def mma_dk_dv_kernel_function(config, spec):
+    """dK, dV for one tile of 16·warps keys, looping over query tiles of block_m (an
+    MmaBackwardConfig; spec: AttentionSpec.for_kernels() at the padded head dim). With stages
     = 2 the Q, dO, lse and D of the next query tile load while this one is computed; with
     d_split > 1 the block computes columns [part·D/d_split, (part + 1)·D/d_split) of dK, dV."""
-    _check_split(stages, head_dim, d_split)
-    BLOCK_N, BLOCK_M, D, STAGES = 16 * warps, block_m, head_dim, stages
-    THREADS = WARP * warps
+    stages, d_split = config.stages, config.d_split
+    _check_split(stages, spec.head_dim, d_split)
+    BLOCK_N, BLOCK_M, D, STAGES = 16 * config.warps, config.block_m, spec.head_dim, stages
+    THREADS = WARP * config.warps
     NQ = BLOCK_M // 8  # 8-query blocks of Sᵀ
     DB = D // d_split // 8  # 8-column blocks of the dK, dV accumulators
     ROW = D + ROW_PAD  # halves per shared-memory row
@@ -73,9 +66,11 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, 
     STATS_START = DO_START + 2 * QUERY_ROWS * ROW
     STATS_ROWS = 2 * STAGES  # lse and D of each stage
     load_tile = make_cp_async_loader(D, THREADS)
-    scores = make_warp_scores(bf16, NQ, D // 16, ROW)
-    accumulate = make_warp_accumulate(bf16, BLOCK_M // 16, DB, ROW)
-    store = make_warp_store(bf16, DB)
+    scores = make_warp_scores(spec.bf16, 1, NQ, D // 16, ROW)
+    accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_M // 16, DB, ROW)
+    store = make_warp_store(spec.bf16, DB)
+    visible = make_mask(spec)
+    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     @cuda.jit(device=True, inline="always")
     def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):
@@ -99,7 +94,7 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, 
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+        offset = seqlen_k - seqlen_q
         key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
 
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: K, V, Q, dO tiles
@@ -109,37 +104,37 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, 
         do_tiles = shared_tile(smem, DO_START, QUERY_ROWS, ROW, uint16)
         stats = shared_tile(smem, STATS_START, STATS_ROWS, BLOCK_M, float32)
 
-        s = cuda.local.array((NQ, 4), float32)  # Sᵀ, then Pᵀ
-        dp = cuda.local.array((NQ, 4), float32)  # dPᵀ, then dSᵀ
-        dk_acc = cuda.local.array((DB, 4), float32)
-        dv_acc = cuda.local.array((DB, 4), float32)
+        s = cuda.local.array((1, NQ, 4), float32)  # Sᵀ, then Pᵀ (one 16-row slice)
+        dp = cuda.local.array((1, NQ, 4), float32)  # dPᵀ, then dSᵀ
+        dk_acc = cuda.local.array((1, DB, 4), float32)
+        dv_acc = cuda.local.array((1, DB, 4), float32)
         for db in range(DB):
             for r in range(4):
-                dk_acc[db, r] = ZERO
-                dv_acc[db, r] = ZERO
+                dk_acc[0, db, r] = ZERO
+                dv_acc[0, db, r] = ZERO
 
         # Load: K and V of this key tile, once (and with two stages the first query tile).
         load_tile(k_tile, 0, k, b, n0, h, seqlen_k, BLOCK_N)
         load_tile(v_tile, 0, v, b, n0, h, seqlen_k, BLOCK_N)
         cp_async_commit()
-        m_begin = query_begin(causal, n0, offset, BLOCK_M)
+        m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
         if STAGES == 2:
-            if m_begin < seqlen_q:
+            if m_begin < m_end:
                 load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m_begin,
                              seqlen_q, 0)
             cp_async_commit()
 
-        # The lane's ldmatrix addresses (numba_mma_tiles): K and V (this warp's 16 keys) as A
+        # The lane's ldmatrix addresses (fragments.py): K and V (this warp's 16 keys) as A
         # of Sᵀ and dPᵀ; Q and dO (stage 0) as their B, and as B of dK and dV (.trans).
         k_a, v_a = x4_address(k_tile, 16 * warp), x4_address(v_tile, 16 * warp)
         q_b, do_b = b_address(q_tiles, 0), b_address(do_tiles, 0)
         q_t, do_t = x4_address(q_tiles, 0) + 2 * col0, x4_address(do_tiles, 0) + 2 * col0
 
         stage = 0
-        for m0 in range(m_begin, seqlen_q, BLOCK_M):
+        for m0 in range(m_begin, m_end, BLOCK_M):
             # Load: this query tile (one stage), or the next one behind this one (two stages).
             if STAGES == 2:
-                if m0 + BLOCK_M < seqlen_q:
+                if m0 + BLOCK_M < m_end:
                     load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h,
                                  m0 + BLOCK_M, seqlen_q, 1 - stage)
                 cp_async_commit()  # (empty on the last tile: the counting stays uniform)
@@ -156,15 +151,16 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
             scores(s, opaque(k_a), opaque(q_b + stage_bytes))
             scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
-            needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
+            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
             for nq in range(NQ):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                    p = exp2(s[nq, r] * scale_log2 - stats[2 * stage, c])
-                    if needs_mask and key_lo + 8 * (r // 2) > m0 + c + offset:
+                    # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
+                    p = probability(s[0, nq, r], scale_log2, stats[2 * stage, c])
+                    if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset):
                         p = ZERO
-                    s[nq, r] = p
-                    dp[nq, r] = p * (dp[nq, r] - stats[2 * stage + 1, c])
+                    s[0, nq, r] = p
+                    dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[2 * stage + 1, c])
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
             accumulate(dv_acc, s, opaque(do_t + stage_bytes))
@@ -175,20 +171,22 @@ def mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages=1, 
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dK and dV.
-        store(dk, dk_acc, b, key_lo, h, col0, seqlen_k, softmax_scale, softmax_scale)
-        store(dv, dv_acc, b, key_lo, h, col0, seqlen_k, ONE, ONE)
+        store(dk, dk_acc, 0, b, key_lo, h, col0, seqlen_k, softmax_scale, softmax_scale)
+        store(dv, dv_acc, 0, b, key_lo, h, col0, seqlen_k, ONE, ONE)
 
     return flash_bwd_dk_dv_mma
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_split=1):
-    """dQ for one tile of 16·warps queries, looping over key tiles of block_n. With stages = 2
-    the K and V of the next key tile load while this one is computed; with d_split > 1 the
-    block computes columns [part·D/d_split, (part + 1)·D/d_split) of dQ."""
-    _check_split(stages, head_dim, d_split)
-    BLOCK_M, BLOCK_N, D, STAGES = 16 * warps, block_n, head_dim, stages
-    THREADS = WARP * warps
+def mma_dq_kernel_function(config, spec):
+    """dQ for one tile of 16·warps queries, looping over key tiles of block_n (as
+    mma_dk_dv_kernel_function). With stages = 2 the K and V of the next key tile load while
+    this one is computed; with d_split > 1 the block computes columns [part·D/d_split,
+    (part + 1)·D/d_split) of dQ."""
+    stages, d_split = config.stages, config.d_split
+    _check_split(stages, spec.head_dim, d_split)
+    BLOCK_M, BLOCK_N, D, STAGES = 16 * config.warps, config.block_n, spec.head_dim, stages
+    THREADS = WARP * config.warps
     NB = BLOCK_N // 8
     DB = D // d_split // 8  # 8-column blocks of the dQ accumulator
     ROW = D + ROW_PAD
@@ -197,9 +195,11 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_s
     KEY_ROWS = STAGES * BLOCK_N  # the K (and V) buffers of all stages
     V_START = K_START + 2 * KEY_ROWS * ROW
     load_tile = make_cp_async_loader(D, THREADS)
-    scores = make_warp_scores(bf16, NB, D // 16, ROW)
-    accumulate = make_warp_accumulate(bf16, BLOCK_N // 16, DB, ROW)
-    store = make_warp_store(bf16, DB)
+    scores = make_warp_scores(spec.bf16, 1, NB, D // 16, ROW)
+    accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_N // 16, DB, ROW)
+    store = make_warp_store(spec.bf16, DB)
+    visible = make_mask(spec)
+    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     @cuda.jit(device=True, inline="always")
     def load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, stage):
@@ -212,7 +212,7 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_s
         lane = tid % WARP
         g = lane // 4
         t = lane % 4
-        m0 = query_tile(causal) * BLOCK_M
+        m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y // d_split
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dQ column
         b = cuda.blockIdx.z
@@ -232,31 +232,31 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_s
         k_tiles = shared_tile(smem, K_START, KEY_ROWS, ROW, uint16)
         v_tiles = shared_tile(smem, V_START, KEY_ROWS, ROW, uint16)
 
-        s = cuda.local.array((NB, 4), float32)  # S, then P
-        dp = cuda.local.array((NB, 4), float32)  # dP, then dS
-        dq_acc = cuda.local.array((DB, 4), float32)
+        s = cuda.local.array((1, NB, 4), float32)  # S, then P (one 16-row slice)
+        dp = cuda.local.array((1, NB, 4), float32)  # dP, then dS
+        dq_acc = cuda.local.array((1, DB, 4), float32)
         for db in range(DB):
             for r in range(4):
-                dq_acc[db, r] = ZERO
+                dq_acc[0, db, r] = ZERO
 
         # Load: Q and dO of this query tile, once (and with two stages the first key tile).
         load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
         load_tile(do_tile, 0, dout, b, m0, h, seqlen_q, BLOCK_M)
         cp_async_commit()
-        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         if STAGES == 2:
-            if n_end > 0:
-                load_keys(k_tiles, v_tiles, k, v, b, h, 0, seqlen_k, 0)
+            if n_begin < n_end:
+                load_keys(k_tiles, v_tiles, k, v, b, h, n_begin, seqlen_k, 0)
             cp_async_commit()
 
-        # The lane's ldmatrix addresses (numba_mma_tiles): Q and dO (this warp's 16 queries) as
+        # The lane's ldmatrix addresses (fragments.py): Q and dO (this warp's 16 queries) as
         # A of S and dP; K and V (stage 0) as their B, and K as B of dQ (.trans).
         q_a, do_a = x4_address(q_tile, 16 * warp), x4_address(do_tile, 16 * warp)
         k_b, v_b = b_address(k_tiles, 0), b_address(v_tiles, 0)
         k_t = x4_address(k_tiles, 0) + 2 * col0
 
         stage = 0
-        for n0 in range(0, n_end, BLOCK_N):
+        for n0 in range(n_begin, n_end, BLOCK_N):
             # Load: this key tile (one stage), or the next one behind this one (two stages).
             if STAGES == 2:
                 if n0 + BLOCK_N < n_end:
@@ -273,17 +273,16 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_s
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
             scores(s, opaque(q_a), opaque(k_b + stage_bytes))
             scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
-            needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
+            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
             for nb in range(NB):
                 for r in range(4):
                     hi = r >= 2
                     col = n0 + 8 * nb + 2 * t + r % 2
-                    p = exp2(s[nb, r] * scale_log2 - (lse_hi if hi else lse_lo))
-                    if needs_mask and (col >= seqlen_k or
-                                       (causal and col > (row_hi if hi else row_lo) + offset)):
+                    p = probability(s[0, nb, r], scale_log2, lse_hi if hi else lse_lo)
+                    if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset):
                         p = ZERO
-                    s[nb, r] = p
-                    dp[nb, r] = p * (dp[nb, r] - (delta_hi if hi else delta_lo))
+                    s[0, nb, r] = p
+                    dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo)
 
             # Accumulate: dQ += dS K (scaled at the end).
             accumulate(dq_acc, dp, opaque(k_t + stage_bytes))
@@ -293,43 +292,37 @@ def mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages=1, d_s
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dQ.
-        store(dq, dq_acc, b, row_lo, h, col0, seqlen_q, softmax_scale, softmax_scale)
+        store(dq, dq_acc, 0, b, row_lo, h, col0, seqlen_q, softmax_scale, softmax_scale)
 
     return flash_bwd_dq_mma
 
 
 @functools.lru_cache(maxsize=None)
-def mma_backward_kernels(block_m, block_n, warps, head_dim, causal, bf16, stages=1, d_split=1):
-    functions = (mma_delta_kernel_function(head_dim, bf16),
-                 mma_dk_dv_kernel_function(block_m, warps, head_dim, causal, bf16, stages,
-                                           d_split),
-                 mma_dq_kernel_function(block_n, warps, head_dim, causal, bf16, stages,
-                                        d_split))
-    return tuple(cuda.jit(fn, cache=True) for fn in functions)
+def mma_backward_kernels(config, spec):
+    """The compiled (dk_dv, dq) kernels of one MmaBackwardConfig and kernel spec."""
+    return (cuda.jit(mma_dk_dv_kernel_function(config, spec), cache=True),
+            cuda.jit(mma_dq_kernel_function(config, spec), cache=True))
 
 
-def launch_mma_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,
-                        bf16, stream=0, config=None):
+def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
+                        config=None):
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
-    16-byte aligned rows; lse, delta (scratch): float32 (batch, nheads, seqlen_q).
-    `config` overrides numba_flash.config.mma_backward_config (tests, tuning)."""
+    16-byte aligned rows, headdim the padded head dim; lse, delta (scratch): float32 (batch,
+    nheads, seqlen_q). `config` overrides mma_backward_config (tests, tuning)."""
     check_rows_contiguous(dout=dout, q=q, k=k, v=v)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     config = config or mma_backward_config(head_dim)
     if config is None:
-        raise ValueError(f"no tensor-core backward config for head_dim {head_dim} (the backend "
-                         f"pads it: numba_backend.mma_head_dim)")
-    delta_kernel, dk_dv_kernel, dq_kernel = mma_backward_kernels(
-        config.block_m, config.block_n, config.warps, head_dim, causal, bf16, config.stages,
-        config.d_split)
-    scale = np.float32(softmax_scale)
-    scale_log2 = np.float32(softmax_scale * float(LOG2E))
+        raise ValueError(f"no tensor-core backward config for head_dim {head_dim} (the engine "
+                         f"pads it: config.mma_head_dim)")
+    dk_dv_kernel, dq_kernel = mma_backward_kernels(config, spec.for_kernels(head_dim=head_dim))
+    scale = np.float32(spec.softmax_scale)
+    scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     rows, threads = 16 * config.warps, WARP * config.warps
     dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(config, head_dim)
     check_shared_bytes(max(dk_dv_bytes, dq_bytes), f"{config} at head_dim {head_dim}")
-    launch(delta_kernel, (-(-seqlen_q // DELTA_THREADS), nheads, batch), DELTA_THREADS, stream,
-           0, dout, out, delta)
+    launch_delta(dout, out, delta, "bf16" if spec.bf16 else "f16", stream)
     split_heads = nheads * config.d_split  # (head, part of the head dim) per blockIdx.y
     launch(dk_dv_kernel, (-(-seqlen_k // rows), split_heads, batch), threads, stream,
            dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)

@@ -6,59 +6,40 @@ saved row log-sum-exp, P = exp(S - lse). With D_i = rowsum(dO_i * O_i):
     dV = Pᵀ dO      dP = dO Vᵀ      dS = P * (dP - D)      dQ = scale·dS K      dK = scale·dSᵀ Q
 
 Three launches, no floating-point atomics, so repeated runs are bitwise identical:
-  1. `delta`: D_i for every query row.
+  1. `delta`: D_i for every query row (device/delta.py).
   2. `dk_dv`: one block per key tile; loops over the query tiles that can see it (causal: it
      starts at the first query tile on or below the diagonal) and accumulates dK, dV in registers.
   3. `dq`: one block per query tile; loops over the key tiles it can see, accumulating dQ.
 
-Both loops are laid out as the forward (backends/numba_simt_fwd.py): warps own bands of rows
+Both loops are laid out as the forward (fwd.py): warps own bands of rows
 (keys in dk/dv, queries in dq), lanes are 4 row groups x 8 column groups, tiles live in dynamic
 shared memory. The tiles a loop streams (Q and dO in dk/dv, K and V in dq) are read by both of
 its products, so with config.stages = 2 they are double-buffered: the copy of tile j+1 (cp.async
 for aligned float32) runs while tile j is used, one block barrier per tile. P and dS rows are
 written and read by the warp that owns them, so a warp barrier orders them. Scores are in log2
-units (scaled by softmax_scale·log2(e) as they come out of the product, lse by log2(e)).
+units (scaled by softmax_scale·log2(e) as they come out of the product, lse by log2(e));
+the tile ranges, the mask and the softmax rules are device/'s.
 """
 import functools
 
 import numpy as np
 from numba import cuda, float32
 
-from numba_flash.config import (SHARED_MEMORY_BYTES, simt_backward_config,
-                                simt_backward_shared_bytes)
-from numba_flash.intrinsics import SHARED_ALIGN, exp2, shared_tile, syncwarp
-
-from .numba_bits16 import bf16_bits_to_float32
-from .numba_constants import (LOG2E, ONE, POS_INF, ZERO, key_end, lse_log2, query_begin,
-                              query_tile)
-from .numba_launch import launch
-from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
-                          make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
-
-DELTA_THREADS = 128
-
-
-@functools.lru_cache(maxsize=None)
-def delta_kernel_function(head_dim, to_float32=float32):
-    """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], one thread per row.
-    `to_float32` turns one array element into float32: a decoder from numba_bits16 for arrays
-    of 16-bit patterns."""
-    convert = to_float32
-
-    def flash_bwd_delta(dout, out, delta):
-        row = cuda.blockIdx.x * DELTA_THREADS + cuda.threadIdx.x
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
-        if row < out.shape[1]:
-            total = ZERO
-            for d in range(head_dim):
-                total += convert(dout[b, row, h, d]) * convert(out[b, row, h, d])
-            delta[b, h, row] = total
-
-    return flash_bwd_delta
+from ..device.block_range import PARTIAL, make_block_range
+from ..device.constants import LOG2E, ONE, POS_INF, ZERO
+from ..device.delta import launch_delta
+from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
+from ..device.mask import make_mask
+from ..device.softmax import grad_score, lse_log2, probability
+from ..gpu import SHARED_MEMORY_BYTES
+from ..launch import launch
+from .config import simt_backward_config, simt_backward_shared_bytes
+from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
+                    make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
 
 
-def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
+def _dk_dv_kernel_function(config, spec, async_copy):
+    head_dim, bf16 = spec.head_dim, spec.bf16
     TK, TQ, STAGES, THREADS = config.key_rows, config.query_cols, config.stages, config.threads
     BLOCK_N, BLOCK_M = config.dk_dv_tiles  # keys per block, queries per streamed tile
     D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
@@ -82,6 +63,8 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     REG_D = (TK, 4 * CHUNKS)
     if BLOCK_M > THREADS:
         raise ValueError(f"{config}: a dk/dv query tile of {BLOCK_M} rows needs as many threads")
+    visible = make_mask(spec)
+    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
@@ -92,7 +75,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+        offset = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         k_tile = shared_tile(smem, 0, BLOCK_N, ROW, float32)
@@ -115,7 +98,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
 
         # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0. (Every
         # key tile has one: m_begin <= n0 - offset <= seqlen_q - 1.)
-        m_begin = query_begin(causal, n0, offset, BLOCK_M)
+        m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
         load_k_tile(k_tile, 0, k, b, n0, h, seqlen_k)
         load_k_tile(v_tile, 0, v, b, n0, h, seqlen_k)
         load_q_tile(q_tiles, 0, q, b, m_begin, h, seqlen_q)
@@ -128,14 +111,14 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
             delta_tiles[0, r] = delta[b, h, m_begin + r] if in_range else ZERO
 
         stage = 0
-        for m0 in range(m_begin, seqlen_q, BLOCK_M):
+        for m0 in range(m_begin, m_end, BLOCK_M):
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
             # Load: the next query tile into the other stage (two stages), while this one is
             # used; its lse and D go to registers now and to shared memory at the end.
             m_next = m0 + BLOCK_M
             nxt = 1 - stage if STAGES == 2 else 0
-            if STAGES == 2 and m_next < seqlen_q:
+            if STAGES == 2 and m_next < m_end:
                 load_q_tile(q_tiles, nxt * BLOCK_M, q, b, m_next, h, seqlen_q)
                 load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, m_next, h, seqlen_q)
             commit_loads()
@@ -147,17 +130,17 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
             row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
             tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
             tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
-            needs_mask = causal and n0 + BLOCK_N - 1 > m0 + offset
+            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
             for i in range(TK):
                 key = ty + LANE_ROWS * i
                 for j in range(TQ):
                     query = tx + LANE_COLS * j
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    p = exp2(s[i, j] * scale_log2 - lse_tiles[stage, query])
-                    if needs_mask and n0 + key > m0 + query + offset:
+                    p = probability(s[i, j], scale_log2, lse_tiles[stage, query])
+                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
                     p_tile[key, query] = p
-                    ds_tile[key, query] = p * (dp[i, j] - delta_tiles[stage, query])
+                    ds_tile[key, query] = grad_score(p, dp[i, j], delta_tiles[stage, query])
             syncwarp()  # why: the warp's P and dS rows complete before its lanes read them
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
@@ -165,7 +148,7 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
             accumulate(dk_acc, ds_tile, q_tiles, ty, tx, row0)
             if STAGES == 1:
                 cuda.syncthreads()  # why: every read of the one stage done before reloading
-                if m_next < seqlen_q:
+                if m_next < m_end:
                     load_q_tile(q_tiles, 0, q, b, m_next, h, seqlen_q)
                     load_q_tile(do_tiles, 0, dout, b, m_next, h, seqlen_q)
                 commit_loads()
@@ -182,7 +165,8 @@ def _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy):
     return flash_bwd_dk_dv
 
 
-def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
+def _dq_kernel_function(config, spec, async_copy):
+    head_dim, bf16 = spec.head_dim, spec.bf16
     TM, TN, STAGES, THREADS = config.query_rows, config.key_cols, config.stages, config.threads
     BLOCK_M, BLOCK_N = config.dq_tiles  # queries per block, keys per streamed tile
     D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
@@ -200,12 +184,14 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
     store_tile = make_chunked_store(TM, CHUNKS, LANE_ROWS, LANE_COLS, head_dim, bf16)
     REG_S = (TM, TN)
     REG_D = (TM, 4 * CHUNKS)
+    visible = make_mask(spec)
+    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
-        m0 = query_tile(causal) * BLOCK_M
+        m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
@@ -232,16 +218,16 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
                 dq_acc[i, c] = ZERO
 
         # Load: Q and dO, once; K and V of the first key tile into stage 0.
-        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
         load_q_tile(do_tile, 0, dout, b, m0, h, seqlen_q)
-        if n_end > 0:
-            load_k_tile(k_tiles, 0, k, b, 0, h, seqlen_k)
-            load_k_tile(v_tiles, 0, v, b, 0, h, seqlen_k)
+        if n_begin < n_end:
+            load_k_tile(k_tiles, 0, k, b, n_begin, h, seqlen_k)
+            load_k_tile(v_tiles, 0, v, b, n_begin, h, seqlen_k)
         commit_loads()
 
         stage = 0
-        for n0 in range(0, n_end, BLOCK_N):
+        for n0 in range(n_begin, n_end, BLOCK_N):
             wait_loads()
             cuda.syncthreads()  # why: this stage's K, V complete; the last tile's reads done
             # Load: the next key tile into the other stage (two stages), while this one is used.
@@ -256,16 +242,15 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
             row0 = stage * BLOCK_N  # this stage's rows in k_tiles, v_tiles
             tile_scores(s, q_tile, k_tiles, ty, row0 + tx)
             tile_scores(dp, do_tile, v_tiles, ty, row0 + tx)
-            needs_mask = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
+            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
             for i in range(TM):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
                     key = tx + LANE_COLS * j
-                    p = exp2(s[i, j] * scale_log2 - lse_i[i])
-                    if needs_mask and (n0 + key >= seqlen_k or
-                                       (causal and n0 + key > m0 + query + offset)):
+                    p = probability(s[i, j], scale_log2, lse_i[i])
+                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
-                    ds_tile[query, key] = p * (dp[i, j] - delta_i[i])
+                    ds_tile[query, key] = grad_score(p, dp[i, j], delta_i[i])
             syncwarp()  # why: the warp's dS rows complete before its lanes read them
 
             # Accumulate: dQ += dS K (scaled at the end).
@@ -286,38 +271,34 @@ def _dq_kernel_function(config, head_dim, causal, bf16, async_copy):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernel_functions(config, head_dim, causal, bf16=False, async_copy=False):
-    """The plain Python kernels (delta, dk_dv, dq) for one (config, head_dim, causal, dtype,
-    load kind); with async_copy, the float32 inputs are read by cp.async (rows of head_dim, a
-    multiple of 4, 16-byte aligned)."""
-    return (delta_kernel_function(head_dim, bf16_bits_to_float32 if bf16 else float32),
-            _dk_dv_kernel_function(config, head_dim, causal, bf16, async_copy),
-            _dq_kernel_function(config, head_dim, causal, bf16, async_copy))
+def backward_kernel_functions(config, spec, async_copy=False):
+    """The plain Python kernels (dk_dv, dq) for one config, kernel spec
+    (AttentionSpec.for_kernels()) and load kind; with async_copy, the float32 inputs are read
+    by cp.async (rows of head_dim, a multiple of 4, 16-byte aligned)."""
+    return (_dk_dv_kernel_function(config, spec, async_copy),
+            _dq_kernel_function(config, spec, async_copy))
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(config, head_dim, causal, bf16=False, async_copy=False):
-    functions = backward_kernel_functions(config, head_dim, causal, bf16, async_copy)
-    return tuple(cuda.jit(fn, cache=True) for fn in functions)
+def backward_kernels(config, spec, async_copy=False):
+    return tuple(cuda.jit(fn, cache=True)
+                 for fn in backward_kernel_functions(config, spec, async_copy))
 
 
-def launch_backward(dout, q, k, v, out, lse, delta, dq, dk, dv, causal, softmax_scale,
-                    stream=0, bf16=False, async_copy=False, shared_limit=SHARED_MEMORY_BYTES,
-                    config=None):
+def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
+                    async_copy=False, shared_limit=SHARED_MEMORY_BYTES, config=None):
     """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q)
-    scratch. With bf16 the arrays of q's shape and k's are uint16 views of bfloat16 data; with
-    async_copy, q, k, v and dout are read by cp.async. The config is the first for the head dim
-    that fits `shared_limit` bytes of shared memory, unless `config` names one."""
+    scratch. For bfloat16 the arrays of q's shape and k's are uint16 views of bfloat16 data;
+    with async_copy, q, k, v and dout are read by cp.async. The config is the first for the
+    head dim that fits `shared_limit` bytes of shared memory, unless `config` names one."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     config = config or simt_backward_config(head_dim, shared_limit)
-    delta_kernel, dk_dv_kernel, dq_kernel = backward_kernels(config, head_dim, causal, bf16,
-                                                             async_copy)
+    dk_dv_kernel, dq_kernel = backward_kernels(config, spec.for_kernels(), async_copy)
     dk_dv_bytes, dq_bytes = simt_backward_shared_bytes(config, head_dim)
-    scale = np.float32(softmax_scale)
-    scale_log2 = np.float32(softmax_scale * float(LOG2E))
-    delta_grid = (-(-seqlen_q // DELTA_THREADS), nheads, batch)
-    launch(delta_kernel, delta_grid, DELTA_THREADS, stream, 0, dout, out, delta)
+    scale = np.float32(spec.softmax_scale)
+    scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
+    launch_delta(dout, out, delta, "bf16" if spec.bf16 else "float", stream)
     dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), nheads, batch)
     launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, dk_dv_bytes,
            q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)

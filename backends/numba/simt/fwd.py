@@ -17,35 +17,36 @@ sm_80 and newer, after copying views whose rows are not 16-byte aligned) the loa
 copies; otherwise each thread loads, converts (float16, bfloat16) and stores elements, which
 then complete before the barrier that follows.
 
-Online softmax: per query row the running max `m_i` and running sum `l_i`; when the max grows,
-`acc` and `l_i` are rescaled by exp(m_old - m_new). Scores are scaled by softmax_scale·log2(e)
-so that every exponential is one exp2. The output tile and the row log-sum-exp are written
-once, at the end. Causal: key tiles wholly in the future are never visited and only tiles that
-cross the diagonal (or the ragged end of K) are masked.
+Online softmax (device/softmax.py): per query row the running max `m_i` and running sum `l_i`;
+when the max grows, `acc` and `l_i` are rescaled by exp(m_old - m_new). Scores are scaled by
+softmax_scale·log2(e) so that every exponential is one exp2. The output tile and the row
+log-sum-exp are written once, at the end. Key tiles wholly masked are never visited, and only
+partial tiles (device/block_range.py) apply the mask (device/mask.py).
 """
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32
 
-from numba_flash.config import (SHARED_MEMORY_BYTES, simt_forward_config,
-                                simt_forward_shared_bytes)
-from numba_flash.intrinsics import SHARED_ALIGN, exp2, shared_tile, shfl_xor
-
-from .numba_bits16 import float32_to_bf16_bits, unchanged
-from .numba_constants import LN2, LOG2E, NEG_INF, ONE, ZERO, key_end, query_tile
-from .numba_launch import launch
-from .numba_tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
-                          make_tile_dot, make_tile_loader, tile_columns)
+from ..device.block_range import PARTIAL, make_block_range
+from ..device.constants import LOG2E, NEG_INF, ZERO
+from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
+from ..device.mask import make_mask
+from ..device.softmax import finalize, online_update, probability
+from ..gpu import SHARED_MEMORY_BYTES
+from ..launch import launch
+from .config import simt_forward_config, simt_forward_shared_bytes
+from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
+                    make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=False):
-    """The plain Python kernel for one (tile config, head_dim, causal, dtype, load kind); see
-    forward_kernel. With bf16, q, k, v and out hold bfloat16 bit patterns. With async_copy, q,
-    k and v must be float32 with rows of head_dim (a multiple of 4) contiguous, 16-byte
+def forward_kernel_function(config, spec, async_copy=False):
+    """The plain Python kernel for one tile config, kernel spec (AttentionSpec.for_kernels())
+    and load kind. For bfloat16, q, k, v and out hold bfloat16 bit patterns. With async_copy,
+    q, k and v must be float32 with rows of head_dim (a multiple of 4) contiguous, 16-byte
     aligned floats."""
+    head_dim, bf16 = spec.head_dim, spec.bf16
     TM, TN = config.rows_per_thread, config.keys_per_thread
     BLOCK_M, BLOCK_N, THREADS = config.block_m, config.block_n, config.threads
     D4, CHUNKS, ROW = tile_columns(config.padded_head_dim(head_dim), head_dim)
@@ -59,7 +60,10 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
     commit_loads, wait_loads = copy_fences(async_copy)
     tile_scores = make_tile_dot(TM, TN, LANE_ROWS, LANE_COLS, D4)
     accumulate_pv = make_chunked_accumulate(TM, CHUNKS, LANE_ROWS, LANE_COLS, BLOCK_N)
-    encode = float32_to_bf16_bits if bf16 else unchanged
+    store = make_chunked_store(TM, CHUNKS, LANE_ROWS, LANE_COLS, head_dim, bf16,
+                               per_row_scale=True)
+    visible = make_mask(spec)
+    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
@@ -67,12 +71,12 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
-        m0 = query_tile(causal) * BLOCK_M
+        m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
-        offset = seqlen_k - seqlen_q  # causal: query i sees key j iff j <= i + offset
+        offset = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -84,6 +88,7 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
         acc = cuda.local.array(ACC_SHAPE, float32)
         m_i = cuda.local.array(TM, float32)  # running row max (log2 units)
         l_i = cuda.local.array(TM, float32)  # this thread's share of the running row sum
+        inv_l = cuda.local.array(TM, float32)
         for i in range(TM):
             m_i[i] = NEG_INF
             l_i[i] = ZERO
@@ -91,32 +96,31 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
                 acc[i, c] = ZERO
 
         # Load: the Q tile and the first K tile.
-        n_end = key_end(causal, seqlen_k, m0, BLOCK_M, offset)
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
-        if n_end > 0:
-            load_kv_tile(k_tile, 0, k, b, 0, h, seqlen_k)
+        if n_begin < n_end:
+            load_kv_tile(k_tile, 0, k, b, n_begin, h, seqlen_k)
         commit_loads()
 
-        for n0 in range(0, n_end, BLOCK_N):
+        for n0 in range(n_begin, n_end, BLOCK_N):
             wait_loads()
             cuda.syncthreads()  # why: K tile (and Q) complete; P·V of the last tile is done
             # Load: this tile's V, in flight while the scores and the softmax run.
             load_kv_tile(v_tile, 0, v, b, n0, h, seqlen_k)
             commit_loads()
 
-            # Scores: S = Q Kᵀ for this thread's register tile, in log2 units.
+            # Scores: S = Q Kᵀ for this thread's register tile; -inf where the row does not
+            # see the key (partial tiles only).
             tile_scores(s, q_tile, k_tile, ty, tx)
-            masked = n0 + BLOCK_N > seqlen_k or (causal and n0 + BLOCK_N - 1 > m0 + offset)
-            for i in range(TM):
-                row = m0 + ty + LANE_ROWS * i
-                for j in range(TN):
-                    col = n0 + tx + LANE_COLS * j
-                    s[i, j] *= scale_log2
-                    if masked and (col >= seqlen_k or (causal and col > row + offset)):
-                        s[i, j] = NEG_INF
+            if tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL:
+                for i in range(TM):
+                    for j in range(TN):
+                        if not visible(m0 + ty + LANE_ROWS * i, n0 + tx + LANE_COLS * j,
+                                       seqlen_k, offset):
+                            s[i, j] = NEG_INF
 
-            # Rescale: m_new = max(m_old, row max over the row's 8 lanes), alpha =
-            # exp2(m_old - m_new); P = exp2(S - m_new) into the P tile.
+            # Rescale: m_new = max(m_old, row max over the row's 8 lanes · scale), alpha =
+            # exp2(m_old - m_new); P = exp2(S · scale - m_new) into the P tile.
             for i in range(TM):
                 row_max = s[i, 0]
                 for j in range(1, TN):
@@ -124,13 +128,10 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
                 row_max = max(row_max, shfl_xor(row_max, 1))
                 row_max = max(row_max, shfl_xor(row_max, 2))
                 row_max = max(row_max, shfl_xor(row_max, 4))
-                m_new = max(m_i[i], row_max)
-                m_ref = m_new if m_new != NEG_INF else ZERO  # row has seen no key yet
-                alpha = exp2(m_i[i] - m_ref)
-                m_i[i] = m_new
+                m_i[i], m_ref, alpha = online_update(m_i[i], row_max * scale_log2)
                 l_new = ZERO
                 for j in range(TN):
-                    p = exp2(s[i, j] - m_ref)
+                    p = probability(s[i, j], scale_log2, m_ref)
                     p_tile[ty + LANE_ROWS * i, tx + LANE_COLS * j] = p
                     l_new += p
                 l_i[i] = l_i[i] * alpha + l_new
@@ -154,41 +155,31 @@ def forward_kernel_function(config, head_dim, causal, bf16=False, async_copy=Fal
             l_row += shfl_xor(l_row, 1)
             l_row += shfl_xor(l_row, 2)
             l_row += shfl_xor(l_row, 4)
+            inv_l[i], lse_row = finalize(l_row, m_i[i])
             row = m0 + ty + LANE_ROWS * i
-            if row < seqlen_q:
-                no_key = l_row == ZERO  # (a NaN input leaves l NaN, and NaN propagates)
-                inv_l = ZERO if no_key else ONE / l_row
-                for c in range(CHUNKS):
-                    for e in range(4):
-                        col = (LANE_COLS * c + tx) * 4 + e
-                        if col < head_dim:
-                            out[b, row, h, col] = encode(acc[i, 4 * c + e] * inv_l)
-                if tx == 0:
-                    if no_key:
-                        lse[b, h, row] = NEG_INF
-                    else:
-                        lse[b, h, row] = (m_i[i] + math.log2(l_row)) * LN2
+            if tx == 0 and row < seqlen_q:
+                lse[b, h, row] = lse_row
+        store(out, acc, b, m0, h, seqlen_q, ty, tx, inv_l)
 
     return flash_forward
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel(config, head_dim, causal, bf16=False, async_copy=False):
+def forward_kernel(config, spec, async_copy=False):
     """The compiled (lazily specialised on argument types) forward kernel."""
-    return cuda.jit(forward_kernel_function(config, head_dim, causal, bf16, async_copy),
-                    cache=True)
+    return cuda.jit(forward_kernel_function(config, spec, async_copy), cache=True)
 
 
-def launch_forward(q, k, v, out, lse, causal, softmax_scale, stream=0, config=None, bf16=False,
-                   async_copy=False, shared_limit=SHARED_MEMORY_BYTES):
-    """Launch the SIMT forward on device (or, under the simulator, host) arrays; with bf16,
+def launch_forward(spec, q, k, v, out, lse, stream=0, config=None, async_copy=False,
+                   shared_limit=SHARED_MEMORY_BYTES):
+    """Launch the SIMT forward on device (or, under the simulator, host) arrays; for bfloat16,
     q, k, v, out are uint16 views of bfloat16 data; with async_copy, q, k, v are read by
     cp.async (see forward_kernel_function). The config is the first for the head dim that
     fits `shared_limit` bytes of shared memory, unless `config` names one (for tuning)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     config = config or simt_forward_config(head_dim, shared_limit)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    kernel = forward_kernel(config, head_dim, causal, bf16, async_copy)
-    scale_log2 = np.float32(softmax_scale * float(LOG2E))
+    kernel = forward_kernel(config, spec.for_kernels(), async_copy)
+    scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     launch(kernel, grid, config.threads, stream, simt_forward_shared_bytes(config, head_dim),
            q, k, v, out, lse, scale_log2)

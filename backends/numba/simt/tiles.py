@@ -4,7 +4,7 @@ Every factory is cached on its compile-time constants, so each kernel closes ove
 functions specialised to its tile shape.
 
 Shared tiles are float32, 16-byte aligned, rows of the padded head dim + 4 floats, so that four
-consecutive columns are one 16-byte load (numba_flash.intrinsics.load_f32x4) and row r starts 4
+consecutive columns are one 16-byte load (intrinsics.load_f32x4) and row r starts 4
 banks after row r-1: eight lanes reading 16 bytes from eight consecutive rows hit all 32 banks
 once.
 
@@ -18,10 +18,9 @@ import functools
 
 from numba import cuda, float32
 
-from numba_flash.intrinsics import cp_async_commit, cp_async_wait, load_f32x4
-
-from .numba_bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
-from .numba_mma_tiles import make_cp_async_loader
+from ..device.bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
+from ..device.intrinsics import cp_async_commit, cp_async_wait, load_f32x4
+from ..device.tile_copy import make_cp_async_loader
 
 LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
 
@@ -151,11 +150,22 @@ def make_chunked_accumulate(rows_per_thread, chunks, threads_y, threads_x, inner
 
 
 @functools.lru_cache(maxsize=None)
-def make_chunked_store(rows_per_thread, chunks, threads_y, threads_x, head_dim, bf16=False):
+def make_chunked_store(rows_per_thread, chunks, threads_y, threads_x, head_dim, bf16=False,
+                       per_row_scale=False):
     """store(dst, acc, b, row0, h, nrows, ty, tx, scale): dst[b, row0 + ty + TY*i, h,
     (threads_x*c + tx)*4 + e] = acc[i, 4c + e] * scale for rows < nrows and columns < head_dim
-    (the layout of make_chunked_accumulate). With bf16, dst takes bfloat16 bit patterns."""
+    (the layout of make_chunked_accumulate); with per_row_scale, scale[i] for row i. With
+    bf16, dst takes bfloat16 bit patterns."""
     encode = float32_to_bf16_bits if bf16 else unchanged
+
+    if per_row_scale:
+        @cuda.jit(device=True, inline="always")
+        def row_scale(scale, i):
+            return scale[i]
+    else:
+        @cuda.jit(device=True, inline="always")
+        def row_scale(scale, i):
+            return scale
 
     @cuda.jit(device=True, inline="always")
     def store(dst, acc, b, row0, h, nrows, ty, tx, scale):
@@ -166,6 +176,6 @@ def make_chunked_store(rows_per_thread, chunks, threads_y, threads_x, head_dim, 
                     for e in range(4):
                         col = (threads_x * c + tx) * 4 + e
                         if col < head_dim:
-                            dst[b, row, h, col] = encode(acc[i, 4 * c + e] * scale)
+                            dst[b, row, h, col] = encode(acc[i, 4 * c + e] * row_scale(scale, i))
 
     return store

@@ -1,12 +1,13 @@
-"""The tensor-core kernels' test cases, shared by tests/test_mma_forward.py,
-tests/test_mma_backward.py and tests/test_properties.py: 16-bit inputs as bit patterns, one
+"""The tensor-core kernels' test cases, shared by test_mma_forward.py, test_mma_backward.py
+and test_properties.py: 16-bit inputs as bit patterns, one
 launch into poisoned outputs, every result checked against float64."""
 import numpy as np
 from error_rule import assert_within_rule
 
-from numba_flash.backends.numba_mma_bwd import launch_mma_backward
-from numba_flash.backends.numba_mma_fwd import launch_mma_forward
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.numba.mma.bwd import launch_mma_backward
+from numba_flash.backends.numba.mma.fwd import launch_mma_forward
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import AttentionSpec
 from numba_flash.testing import bf16_bits, bf16_values, plain16_backward, plain16_forward
 
 #: a quiet NaN both as float16 and as bfloat16 bits: what outputs are poisoned with
@@ -34,10 +35,10 @@ def run_forward(rng, shape, causal, dtype, config):
     (qb, q), (kb, k), (vb, v) = (encode(draw(n), dtype) for n in (seqlen_q, seqlen_k, seqlen_k))
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
-    scale = head_dim ** -0.5
-    launch_mma_forward(qb, kb, vb, out, lse, causal, scale, dtype == "bfloat16", config=config)
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, _ = plain16_forward(np, q, k, v, causal, scale, dtype)
+    spec = AttentionSpec(head_dim, dtype, causal=causal, softmax_scale=head_dim ** -0.5)
+    launch_mma_forward(spec, qb, kb, vb, out, lse, config=config)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, _ = plain16_forward(np, q, k, v, spec, dtype)
     assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite)
@@ -53,15 +54,14 @@ def run_backward(rng, shape, causal, dtype, config):
     draw = lambda n: rng.standard_normal((batch, n, nheads, head_dim))  # noqa: E731
     (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n), dtype)
                                             for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
-    scale = head_dim ** -0.5
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
+    spec = AttentionSpec(head_dim, dtype, causal=causal, softmax_scale=head_dim ** -0.5)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     outb, out = encode(np.ascontiguousarray(ref_out), dtype)
     lse = np.ascontiguousarray(ref_lse, np.float32)
     grads = [np.full(x.shape, NAN16, np.uint16) for x in (qb, kb, vb)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
-    launch_mma_backward(dob, qb, kb, vb, outb, lse, delta, *grads, causal, scale,
-                        dtype == "bfloat16", config=config)
-    refs = attention_backward(np, do, q, k, v, out, lse, causal, scale, np.float64)
-    bases = plain16_backward(np, do, q, k, v, out, lse, causal, scale, dtype)
+    launch_mma_backward(spec, dob, qb, kb, vb, outb, lse, delta, *grads, config=config)
+    refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64)
+    bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, decode(got, dtype), base, ref, "float16")

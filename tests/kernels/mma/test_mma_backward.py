@@ -1,4 +1,4 @@
-"""The tensor-core backward kernels (backends/numba_mma_bwd.py) against the float64 reference:
+"""The tensor-core backward kernels (backends/numba/mma/bwd.py) against the float64 reference:
 under the simulator at small sizes, and with `-m gpu` on the GPU."""
 import dataclasses
 
@@ -7,8 +7,9 @@ import pytest
 from inputs import simulator_and_gpu_cases
 from mma_cases import run_backward
 
-from numba_flash.backends.numba_mma_bwd import launch_mma_backward
-from numba_flash.config import MmaBackwardConfig, mma_backward_config
+from numba_flash.backends.numba.mma.bwd import launch_mma_backward
+from numba_flash.backends.numba.mma.config import MmaBackwardConfig, mma_backward_config
+from numba_flash.spec import AttentionSpec
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 1, 32)]
@@ -82,14 +83,15 @@ def test_configs_beyond_the_shared_memory_limit_are_refused_before_a_launch():
                                          r"stages=1, d_split=1\) at head_dim 256 needs 271360 "
                                          r"bytes of "
                                          r"shared memory"):
-        launch_mma_backward(q, q, q, q, q, lse, lse, q, q, q, False, 0.1, False,
-                            config=MmaBackwardConfig(128, 16, 8))
+        launch_mma_backward(AttentionSpec(256, "float16", softmax_scale=0.1), q, q, q, q, q, lse,
+                            lse, q, q, q, config=MmaBackwardConfig(128, 16, 8))
 
 
 def test_only_one_or_two_stages():
-    from numba_flash.backends.numba_mma_bwd import mma_dq_kernel_function
+    from numba_flash.backends.numba.mma.bwd import mma_dq_kernel_function
     with pytest.raises(ValueError, match="stages must be 1 or 2; got 3"):
-        mma_dq_kernel_function(16, 4, 64, False, False, 3)
+        mma_dq_kernel_function(MmaBackwardConfig(16, 16, 4, stages=3), AttentionSpec(64, "float16"))
     with pytest.raises(ValueError, match="d_split must be >= 1 and divide head_dim into "
                                          "multiples of 16; got 2 for head_dim 48"):
-        mma_dq_kernel_function(16, 4, 48, False, False, 1, 2)
+        mma_dq_kernel_function(MmaBackwardConfig(16, 16, 4, d_split=2),
+                               AttentionSpec(48, "float16"))

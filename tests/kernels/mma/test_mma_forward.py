@@ -1,11 +1,12 @@
-"""The tensor-core forward kernel (backends/numba_mma_fwd.py) against the float64 reference:
+"""The tensor-core forward kernel (backends/numba/mma/fwd.py) against the float64 reference:
 under the simulator at small sizes, and with `-m gpu` on the GPU."""
 import numpy as np
 import pytest
 from inputs import simulator_and_gpu_cases
 from mma_cases import run_forward
 
-from numba_flash.config import MmaConfig
+from numba_flash.backends.numba.mma.config import MmaConfig
+from numba_flash.spec import AttentionSpec
 
 
 SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 32), (1, 5, 40, 1, 128)]
@@ -35,21 +36,21 @@ def test_mma_forward_matches_reference(rng, mode, shape, causal, dtype, slices):
 
 
 def test_configs_beyond_the_shared_memory_limit_are_refused():
-    from numba_flash.backends.numba_mma_fwd import mma_forward_kernel_function
+    from numba_flash.backends.numba.mma.fwd import mma_forward_kernel_function
     # Q: 8 warps x 3 slices x 16 = 384 rows; K and V: 64 rows each; rows of 128 + 8 halves.
     with pytest.raises(ValueError, match=r"slices=3\) at head_dim 128 needs 139264 bytes of "
                                          r"shared memory; tensor-core configs may take at most "
                                          r"101376"):
-        mma_forward_kernel_function(64, 8, 128, False, False, 3)
+        mma_forward_kernel_function(MmaConfig(64, 8, 3), AttentionSpec(128, "float16"))
     with pytest.raises(ValueError, match="slices and warps must be >= 1"):
-        mma_forward_kernel_function(32, 4, 64, False, False, 0)
+        mma_forward_kernel_function(MmaConfig(32, 4, 0), AttentionSpec(64, "float16"))
 
 
 def test_launch_refuses_a_strided_last_dimension():
-    from numba_flash.backends.numba_mma_fwd import launch_mma_forward
+    from numba_flash.backends.numba.mma.fwd import launch_mma_forward
     q = np.zeros((1, 16, 1, 128), np.uint16)[..., ::2]  # 64 columns, 4 bytes apart
     out = np.zeros((1, 16, 1, 64), np.uint16)
     lse = np.zeros((1, 1, 16), np.float32)
     with pytest.raises(ValueError, match="q: the last dimension must be contiguous; its stride "
                                          "is 4 bytes"):
-        launch_mma_forward(q, out, out, out, lse, False, 0.1, False)
+        launch_mma_forward(AttentionSpec(64, "float16", softmax_scale=0.1), q, out, out, out, lse)

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from mma_cases import run_backward, run_forward
 
 import numba_flash
-from numba_flash.config import MmaBackwardConfig, MmaConfig
-from numba_flash.standard_attention import attention_backward, attention_forward
+from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -23,20 +24,20 @@ def test_forward_and_backward_on_random_shapes(batch, seqlen_q, seqlen_k, nheads
     shape = lambda n: (batch, n, nheads, headdim)  # noqa: E731
     q, k, v = (rng.standard_normal(shape(n)).astype(dtype) for n in (seqlen_q, seqlen_k, seqlen_k))
     dout = rng.standard_normal(q.shape).astype(dtype)
-    scale = headdim ** -0.5
+    spec = make_spec(q, causal=causal)
     plain = np.dtype(dtype).type
 
     out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba")
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, base_lse = attention_forward(np, q, k, v, causal, scale, plain)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, base_lse = attention_forward(np, q, k, v, spec, plain)
     assert_within_rule("out", out, base_out, ref_out, dtype)
     assert_within_rule("lse", lse, base_lse, ref_lse, dtype)
 
     out_in = np.ascontiguousarray(ref_out, dtype)
     lse_in = np.ascontiguousarray(ref_lse, np.float32)
     grads = numba_flash.backward(dout, q, k, v, out_in, lse_in, causal=causal, backend="numba")
-    refs = attention_backward(np, dout, q, k, v, out_in, lse_in, causal, scale, np.float64)
-    bases = attention_backward(np, dout, q, k, v, out_in, lse_in, causal, scale, plain)
+    refs = attention_backward(np, dout, q, k, v, out_in, lse_in, spec, np.float64)
+    bases = attention_backward(np, dout, q, k, v, out_in, lse_in, spec, plain)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, got, base, ref, dtype)
 

@@ -1,10 +1,12 @@
 """Tile configurations: every entry fits its shared-memory limit and divides evenly."""
 import pytest
 
-from numba_flash.config import (SHARED_MEMORY_BYTES, SimtBackwardConfig, SimtForwardConfig,
-                                simt_backward_candidates, simt_backward_config,
-                                simt_backward_shared_bytes, simt_forward_candidates,
-                                simt_forward_config, simt_forward_shared_bytes)
+from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES
+from numba_flash.backends.numba.simt.config import (SimtBackwardConfig, SimtForwardConfig,
+                                                    simt_backward_candidates, simt_backward_config,
+                                                    simt_backward_shared_bytes,
+                                                    simt_forward_candidates,
+                                                    simt_forward_config, simt_forward_shared_bytes)
 
 HEAD_DIMS = [1, 16, 32, 33, 64, 65, 96, 128, 129, 200, 256]
 

@@ -1,4 +1,4 @@
-"""The SIMT forward kernel (backends/numba_simt_fwd.py) for its tile configs and both kinds of
+"""The SIMT forward kernel (backends/numba/simt/fwd.py) for its tile configs and both kinds of
 loads (cp.async, plain) against the float64 reference: under the simulator, small configs of
 each layout at small sizes; with `-m gpu`, every candidate of the config table."""
 import numpy as np
@@ -6,10 +6,11 @@ import pytest
 from error_rule import assert_within_rule
 from inputs import gpu_cannot_run, simt_kernel_cases
 
-from numba_flash.backends.numba_simt_fwd import forward_kernel_function, launch_forward
-from numba_flash.config import (SimtForwardConfig, simt_forward_candidates,
-                                simt_forward_shared_bytes)
-from numba_flash.standard_attention import attention_forward
+from numba_flash.backends.numba.simt.config import (SimtForwardConfig, simt_forward_candidates,
+                                                    simt_forward_shared_bytes)
+from numba_flash.backends.numba.simt.fwd import forward_kernel_function, launch_forward
+from numba_flash.reference import attention_forward
+from numba_flash.spec import AttentionSpec, make_spec
 
 # (config, shape): head dims 24 and 16 (one 4-wide column chunk per thread, most columns
 # padding), 100 (read as 100 columns, the output tile padded to 128), 1 (plain loads only);
@@ -37,10 +38,10 @@ def test_simt_forward_matches_reference(rng, config, shape, causal, async_copy):
     q, k, v = draw(seqlen_q), draw(seqlen_k), draw(seqlen_k)
     out = np.full(q.shape, np.nan, np.float32)  # poisoned
     lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
-    scale = float(rng.uniform(0.05, 0.5))
-    launch_forward(q, k, v, out, lse, causal, scale, 0, config, async_copy=async_copy)
-    ref_out, ref_lse = attention_forward(np, q, k, v, causal, scale, np.float64)
-    base_out, base_lse = attention_forward(np, q, k, v, causal, scale, np.float32)
+    spec = make_spec(q, causal=causal, softmax_scale=float(rng.uniform(0.05, 0.5)))
+    launch_forward(spec, q, k, v, out, lse, 0, config, async_copy=async_copy)
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    base_out, base_lse = attention_forward(np, q, k, v, spec, np.float32)
     assert_within_rule("out", out, base_out, ref_out, "float32")
     assert_within_rule("lse", lse, base_lse, ref_lse, "float32")
 
@@ -48,6 +49,6 @@ def test_simt_forward_matches_reference(rng, config, shape, causal, async_copy):
 def test_cp_async_loads_are_refused_where_rows_are_not_whole_16_byte_copies():
     with pytest.raises(ValueError, match="cp.async loads take float32 rows of a multiple of 4 "
                                          "floats; got head_dim 30"):
-        forward_kernel_function(SimtForwardConfig(1, 2, 2), 30, False, False, True)
+        forward_kernel_function(SimtForwardConfig(1, 2, 2), AttentionSpec(30, "float32"), True)
     with pytest.raises(ValueError, match="got head_dim 32 in bfloat16"):
-        forward_kernel_function(SimtForwardConfig(1, 2, 2), 32, False, True, True)
+        forward_kernel_function(SimtForwardConfig(1, 2, 2), AttentionSpec(32, "bfloat16"), True)

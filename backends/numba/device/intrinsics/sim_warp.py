@@ -57,3 +57,11 @@ def thread_state(name, factory):
     if name not in state:
         state[name] = factory()
     return state[name]
+
+
+def check_aligned(array, *index):
+    """The hardware needs 16-byte aligned addresses here (ldmatrix, cp.async); the simulator
+    would not notice, so the twins check."""
+    address = array.ctypes.data + sum(i * s for i, s in zip(index, array.strides))
+    if address % 16:
+        raise ValueError(f"address of element {index} is not 16-byte aligned")

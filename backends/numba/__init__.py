@@ -1,0 +1,1 @@
+"""The Numba backends: FlashAttention kernels written as Numba CUDA kernels (backend.py)."""

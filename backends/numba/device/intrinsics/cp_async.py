@@ -1,0 +1,106 @@
+"""cp.async (16 bytes, global to shared) with its commit and wait, and their simulator twins.
+The twin keeps each thread's copies in flight (their bytes NaN) until a cp_async_wait covers
+them, as the hardware may."""
+import numpy as np
+from numba import types
+from numba.cuda.extending import intrinsic
+
+from . import sim_warp
+from ._llvm import (SHARED_ADDRESS, SIMULATED, asm, element_address, name_for_cache,
+                    row_element_address)
+
+_CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + SHARED_ADDRESS.format("$0") +
+             " cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [s], [ga], 16, $2; }")
+
+
+@intrinsic
+def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
+    """Copy 16 bytes from &src[b, n, h, d] to &dst[drow, dcol]; with src_bytes = 0 the
+    destination is zero-filled instead (tails). Both addresses must be 16-byte aligned, and
+    src's last dimension must be contiguous (its stride is taken to be the item size)."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 2 and
+            src.ndim == 4):
+        return None
+    sig = types.void(dst, drow, dcol, src, b, n, h, d, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        dst_address = element_address(context, builder, sig.args[0], args[0], sig.args[1:3],
+                                      args[1:3])
+        src_address = row_element_address(context, builder, sig.args[3], args[3],
+                                          sig.args[4:8], args[4:8])
+        size = context.cast(builder, args[8], sig.args[8], types.uint32)
+        asm(builder, _CP_ASYNC, "l,l,r,~{memory}", [dst_address, src_address, size],
+            side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
+    """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does, but
+    only when a cp_async_wait covers the copy: until then the 16 bytes hold NaN patterns, so a
+    kernel that reads a tile before waiting for it computes garbage in the simulator too."""
+    sim_warp.check_aligned(dst, drow, dcol)
+    sim_warp.check_aligned(src, b, n, h, d)
+    if not 0 <= src_bytes <= 16:
+        raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
+    count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize
+    values = np.zeros(count, dst.dtype)
+    values[:copied] = src[b, n, h, d:d + copied]  # (read at issue, as the hardware may)
+    dst[drow, dcol:dcol + count].view(_NOT_YET_COPIED[dst.itemsize].dtype)[:] = \
+        _NOT_YET_COPIED[dst.itemsize]
+    sim_warp.thread_state("cp_async_issued", list).append((dst, drow, dcol, values))
+
+
+# In flight: float NaN; for 16-bit patterns 0xFFFF, a NaN in float16 and in bfloat16.
+_NOT_YET_COPIED = {4: np.float32(np.nan).view(np.uint32), 2: np.uint16(0xFFFF)}
+
+
+@intrinsic
+def _cp_async_commit(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        asm(builder, "cp.async.commit_group;", "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _cp_async_wait(typingctx, pending):
+    """Wait until at most `pending` (a literal int) committed groups are still in flight."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    text = f"cp.async.wait_group {pending.literal_value};"
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        asm(builder, text, "~{memory}", [], side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _cp_async_commit_python():
+    """Close the group of this thread's copies issued since its last commit."""
+    issued = sim_warp.thread_state("cp_async_issued", list)
+    sim_warp.thread_state("cp_async_groups", list).append(issued[:])
+    issued.clear()
+
+
+def _cp_async_wait_python(pending):
+    """Land this thread's committed groups but the newest `pending` ones."""
+    groups = sim_warp.thread_state("cp_async_groups", list)
+    while len(groups) > pending:
+        for dst, drow, dcol, values in groups.pop(0):
+            dst[drow, dcol:dcol + len(values)] = values
+
+
+if SIMULATED:
+    cp_async_16 = _cp_async_16_python
+    cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
+else:
+    cp_async_16 = _cp_async_16
+    cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
+    name_for_cache(globals(), __name__)

@@ -1,0 +1,23 @@
+"""Which keys a query sees: the element predicate every kernel applies to its partial tiles.
+
+Causal is bottom-right aligned: with offset = seqlen_k - seqlen_q, query row i sees key col j
+iff j <= i + offset. Keys at or past seqlen_k (the zero-filled tail of the last key tile) are
+never seen.
+"""
+import functools
+
+from numba import cuda
+
+
+@functools.lru_cache(maxsize=None)
+def make_mask(spec):
+    """visible(row, col, seqlen_k, offset) -> bool for the call's spec (for_kernels())."""
+    causal = spec.causal
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, col, seqlen_k, offset):
+        if col >= seqlen_k:
+            return False
+        return not causal or col <= row + offset
+
+    return visible

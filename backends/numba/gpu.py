@@ -1,0 +1,27 @@
+"""What the Numba backends ask of the machine: the simulator or a GPU, and the GPU's limits."""
+import functools
+
+#: dynamic shared memory every CUDA GPU gives a block without opting in
+SHARED_MEMORY_BYTES = 48 * 1024
+#: compute capability of the first GPUs with bf16 mma.sync, ldmatrix and cp.async
+TENSOR_CORE_CC = (8, 0)
+
+
+def simulator_enabled():
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id):
+    from numba import cuda
+    with cuda.gpus[device_id]:
+        return tuple(cuda.get_current_device().compute_capability)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_id):
+    """The most shared memory a block may take on this GPU (opting in above 48 KiB)."""
+    from numba import cuda
+    with cuda.gpus[device_id]:
+        return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# A change judged against the tree before it, in one GPU run: each tree's own scripts/bench.py,
+# one after the other on the same machine, after both trees' kernels are compiled.
+#
+#   bash scripts/bench_compare.sh OLD_TREE NEW_TREE [bench.py arguments]
+#
+# A TREE is a folder with an importable numba_flash (for a checkout: pip install --no-deps
+# --no-build-isolation --target TREE .; then copy its scripts/ into TREE/scripts). The trees'
+# kernels are first compiled into their on-disk caches by small runs of the same cases, side by
+# side (one process per dtype and head dim), so that the timed runs compile nothing. The old
+# tree runs without torch's peers; PEERS (an environment variable, e.g. "--sdpa flash cudnn",
+# default "--no-torch") goes to the new tree's run only, so that the peers are timed once,
+# beside the new tree. Logs and JSON land in $OUT as bench_old.*, bench_new.*, and
+# scripts/bench_diff.py prints the new tree's TFLOP/s against the old's, row by row.
+set -uo pipefail
+old=$1 new=$2
+shift 2
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# the dtypes and head dims of the cases, for the warm-up runs
+dtypes=$(python3 - "$@" <<'EOF'
+import sys
+args, picked, key = sys.argv[1:], {"--dtypes": [], "--head-dims": []}, None
+for a in args:
+    key = a if a.startswith("--") else key
+    if not a.startswith("--") and key in picked:
+        picked[key].append(a)
+print(" ".join(f"{d}:{h}" for d in picked["--dtypes"] or ["float32", "float16"]
+               for h in picked["--head-dims"] or ["64", "128"]))
+EOF
+)
+warm() {  # tree, dtype:head_dim -- the same cases at a tiny size, nothing timed that counts
+    local tree=$1 dtype=${2%:*} head_dim=${2#*:}
+    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout 600 python3 "$tree/scripts/bench.py" \
+        --dtypes "$dtype" --head-dims "$head_dim" --seqlens 128 --tokens 128 \
+        --causal false true --passes fwd fwdbwd --backends numba --no-torch > /dev/null 2>&1 \
+        || echo "warm-up $tree $dtype d$head_dim: exit $?"
+}
+start=$(date +%s)
+for tree in "$old" "$new"; do
+    for case in $dtypes; do warm "$tree" "$case" & done
+done
+wait
+echo "warm-up (compilation) of both trees: $(( $(date +%s) - start )) s"
+for side in old new; do
+    tree=$old extra=(--no-torch)
+    if [ "$side" = new ]; then tree=$new; read -ra extra <<< "${PEERS:---no-torch}"; fi
+    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} python3 "$tree/scripts/bench.py" "$@" \
+        "${extra[@]}" --json "$OUT/bench_$side.json" 2>&1 | grep -v '^\[' \
+        | tee "$OUT/bench_$side.log" | tail -3
+done
+python3 "$(dirname "$0")/bench_diff.py" "$OUT/bench_old.json" "$OUT/bench_new.json" \
+    | tee "$OUT/bench_diff.log"

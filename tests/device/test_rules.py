@@ -1,0 +1,103 @@
+"""The shared device rules (backends/numba/device: mask, block_range, softmax) against brute
+force over the float64 reference's own mask, for random sizes, tiles and options. Under the
+simulator the device functions are plain Python, so each rule is checked element by element."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
+                                                           make_block_range)
+from numba_flash.backends.numba.device.mask import make_mask
+from numba_flash.backends.numba.device.softmax import (finalize, grad_score, lse_log2,
+                                                       online_update, probability)
+from numba_flash.reference import visible
+from numba_flash.spec import AttentionSpec
+
+SIZES = dict(seqlen_q=st.integers(1, 70), seqlen_k=st.integers(1, 70),
+             block_m=st.sampled_from([1, 4, 16, 32]), block_n=st.sampled_from([1, 8, 16, 48]),
+             causal=st.booleans())
+
+
+def _truth(spec, seqlen_q, seqlen_k):
+    mask = visible(np, spec, seqlen_q, seqlen_k)
+    return np.ones((seqlen_q, seqlen_k), bool) if mask is None else mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(**SIZES)
+def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal):
+    spec = AttentionSpec(16, "float32", causal=causal)
+    seen = make_mask(spec)
+    truth = _truth(spec, seqlen_q, seqlen_k)
+    offset = seqlen_k - seqlen_q
+    got = np.array([[seen(i, j, seqlen_k, offset) for j in range(seqlen_k + block_n)]
+                    for i in range(seqlen_q)])
+    assert np.array_equal(got[:, :seqlen_k], truth)
+    assert not got[:, seqlen_k:].any()  # the zero-filled tail of the last key tile
+
+
+@settings(max_examples=40, deadline=None)
+@given(**SIZES)
+def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqlen_k, block_m,
+                                                                 block_n, causal):
+    spec = AttentionSpec(16, "float32", causal=causal)
+    key_range, query_range, tile_class, _ = make_block_range(spec, block_m, block_n)
+    truth = _truth(spec, seqlen_q, seqlen_k)
+    for m0 in range(0, seqlen_q, block_m):
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        visited = set(range(n_begin, n_end, block_n))
+        assert n_begin % block_n == 0
+        for n0 in range(0, seqlen_k, block_n):
+            tile = truth[m0:m0 + block_m, n0:n0 + block_n]
+            overhangs = n0 + block_n > seqlen_k
+            expected = (EMPTY if not tile.any() else
+                        PARTIAL if overhangs or not tile.all() else FULL)
+            got = tile_class(m0, n0, seqlen_q, seqlen_k)
+            # a tile may be called partial when only its rows past seqlen_q are masked
+            assert got == expected or (got == PARTIAL and expected == FULL
+                                       and m0 + block_m > seqlen_q), (m0, n0)
+            assert (n0 in visited) == (expected != EMPTY), (m0, n0)
+    for n0 in range(0, seqlen_k, block_n):
+        m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        assert m_begin % block_m == 0 and m_end == seqlen_q
+        for m0 in range(0, seqlen_q, block_m):
+            seen = truth[m0:m0 + block_m, n0:n0 + block_n].any()
+            assert (m0 >= m_begin) == seen, (m0, n0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_tile_when_no_query_of_the_tile_sees_a_key(causal):
+    """seqlen_q > seqlen_k, causal: the first rows see no key, so their tiles visit nothing."""
+    spec = AttentionSpec(16, "float32", causal=causal)
+    key_range, _, _, _ = make_block_range(spec, 16, 16)
+    n_begin, n_end = key_range(0, 100, 20)  # rows 0..15 see keys j <= i - 80: none
+    assert (n_end <= n_begin) == causal
+
+
+def test_online_softmax_matches_the_softmax_of_the_whole_row(rng):
+    scores = rng.standard_normal(37).astype(np.float32) * 4
+    scale_log2 = np.float32(0.3 * math.log2(math.e))
+    m_i, l_i = np.float32(-np.inf), np.float32(0)
+    for start in range(0, 37, 8):  # tiles of 8 keys
+        tile = scores[start:start + 8]
+        m_i, m_ref, alpha = online_update(m_i, np.float32(tile.max() * scale_log2))
+        l_i = l_i * alpha + sum(probability(s, scale_log2, m_ref) for s in tile)
+    inv_l, lse = finalize(l_i, m_i)
+    exact = np.log(np.exp(0.3 * scores.astype(np.float64)).sum())
+    assert abs(lse - exact) < 1e-5 * abs(exact) + 1e-5
+    assert abs(inv_l - 1 / l_i) < 1e-7 / l_i
+    # P recomputed from the lse, as the backward does, sums to 1
+    p = [probability(s, scale_log2, lse_log2(np.float32(lse))) for s in scores]
+    assert abs(sum(p) - 1) < 1e-5
+    assert grad_score(np.float32(0.5), np.float32(2), np.float32(0.5)) == 0.75
+
+
+def test_a_row_that_sees_no_key_gets_zero_and_minus_inf():
+    m_i, m_ref, alpha = online_update(np.float32(-np.inf), np.float32(-np.inf))
+    assert m_i == -np.inf and m_ref == 0 and alpha == 0  # no -inf - -inf: no NaN
+    assert finalize(np.float32(0), m_i) == (0, -np.inf)
+    assert lse_log2(np.float32(-np.inf)) == np.inf  # so that P = exp2(S - lse) = 0
+    assert probability(np.float32(3), np.float32(1), lse_log2(np.float32(-np.inf))) == 0
