@@ -40,11 +40,12 @@ def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal
 
 
 @settings(max_examples=40, deadline=None)
-@given(**SIZES)
+@given(**SIZES, key_tail_masked=st.booleans())
 def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqlen_k, block_m,
-                                                                 block_n, causal):
+                                                                 block_n, causal, key_tail_masked):
     spec = AttentionSpec(16, "float32", causal=causal)
-    key_range, query_range, tile_class, _ = make_block_range(spec, block_m, block_n)
+    key_range, query_range, tile_class, _ = make_block_range(spec, block_m, block_n,
+                                                             key_tail_masked)
     truth = _truth(spec, seqlen_q, seqlen_k)
     for m0 in range(0, seqlen_q, block_m):
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
@@ -52,7 +53,7 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
         assert n_begin % block_n == 0
         for n0 in range(0, seqlen_k, block_n):
             tile = truth[m0:m0 + block_m, n0:n0 + block_n]
-            overhangs = n0 + block_n > seqlen_k
+            overhangs = key_tail_masked and n0 + block_n > seqlen_k
             expected = (EMPTY if not tile.any() else
                         PARTIAL if overhangs or not tile.all() else FULL)
             got = tile_class(m0, n0, seqlen_q, seqlen_k)

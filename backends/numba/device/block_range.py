@@ -14,7 +14,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=None)
-def make_block_range(spec, block_m, block_n):
+def make_block_range(spec, block_m, block_n, key_tail_masked=True):
     """Device functions for query tiles of block_m rows and key tiles of block_n keys:
 
     key_range(m0, seqlen_q, seqlen_k) -> (n_begin, n_end): the keys query tile m0 visits.
@@ -22,6 +22,10 @@ def make_block_range(spec, block_m, block_n):
         (m_begin a multiple of block_m).
     tile_class(m0, n0, seqlen_q, seqlen_k) -> EMPTY, PARTIAL or FULL.
     query_tile_index() -> the query tile of this block (blockIdx.x), longest first.
+
+    key_tail_masked=False: a key tile that overhangs seqlen_k is not partial for that alone,
+    for kernels whose rows past seqlen_k are never stored (dK/dV), so that their tiles skip the
+    predicate there too.
     """
     causal = spec.causal
 
@@ -42,7 +46,8 @@ def make_block_range(spec, block_m, block_n):
         offset = seqlen_k - seqlen_q
         if causal and n0 > m0 + block_m - 1 + offset:
             return EMPTY
-        if n0 + block_n > seqlen_k or (causal and n0 + block_n - 1 > m0 + offset):
+        overhangs = key_tail_masked and n0 + block_n > seqlen_k
+        if overhangs or (causal and n0 + block_n - 1 > m0 + offset):
             return PARTIAL
         return FULL
 

@@ -70,7 +70,9 @@ def mma_dk_dv_kernel_function(config, spec):
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_M // 16, DB, ROW)
     store = make_warp_store(spec.bf16, DB)
     visible = make_mask(spec)
-    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N)
+    # (dK, dV rows past seqlen_k are never stored: no mask there)
+    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N,
+                                                     key_tail_masked=False)
 
     @cuda.jit(device=True, inline="always")
     def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):

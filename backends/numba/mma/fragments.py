@@ -119,17 +119,26 @@ def make_warp_accumulate(bf16, slices, kc_count, db_count, row_halves):
     FRAGMENTS = (slices, 4)
 
     @cuda.jit(device=True, inline="always")
+    def pack_slice(a, p, sl, kc):
+        a[sl, 0] = pack(p[sl, 2 * kc, 0], p[sl, 2 * kc, 1])
+        a[sl, 1] = pack(p[sl, 2 * kc, 2], p[sl, 2 * kc, 3])
+        a[sl, 2] = pack(p[sl, 2 * kc + 1, 0], p[sl, 2 * kc + 1, 1])
+        a[sl, 3] = pack(p[sl, 2 * kc + 1, 2], p[sl, 2 * kc + 1, 3])
+
+    @cuda.jit(device=True, inline="always")
     def accumulate(acc, p, b_at):
         a = cuda.local.array(FRAGMENTS, uint32)
         for kc in range(kc_count):
-            for sl in range(slices):
-                a[sl, 0] = pack(p[sl, 2 * kc, 0], p[sl, 2 * kc, 1])
-                a[sl, 1] = pack(p[sl, 2 * kc, 2], p[sl, 2 * kc, 3])
-                a[sl, 2] = pack(p[sl, 2 * kc + 1, 0], p[sl, 2 * kc + 1, 1])
-                a[sl, 3] = pack(p[sl, 2 * kc + 1, 2], p[sl, 2 * kc + 1, 3])
+            if slices == 1:
+                pack_slice(a, p, 0, kc)
             for db in range(0, db_count, 2):  # one ldmatrix.x4.trans gives B for two d-blocks
                 f = ldmatrix_x4_trans_at(b_at, 2 * (16 * kc * row_halves + 8 * db))
                 for sl in range(slices):  # each B fragment feeds every slice of the warp
+                    if slices > 1:
+                        # why: packed again for each B fragment, since holding every slice's
+                        # packed P across the loop takes 4 registers a slice that the
+                        # several-slice forward (254 registers at d128) does not have
+                        pack_slice(a, p, sl, kc)
                     for half in range(2):
                         d = mma(a[sl, 0], a[sl, 1], a[sl, 2], a[sl, 3], f[2 * half],
                                 f[2 * half + 1], acc[sl, db + half, 0], acc[sl, db + half, 1],

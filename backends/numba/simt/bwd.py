@@ -64,7 +64,9 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     if BLOCK_M > THREADS:
         raise ValueError(f"{config}: a dk/dv query tile of {BLOCK_M} rows needs as many threads")
     visible = make_mask(spec)
-    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N)
+    # (dK, dV rows past seqlen_k are never stored: no mask there)
+    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N,
+                                                     key_tail_masked=False)
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
