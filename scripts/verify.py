@@ -212,7 +212,7 @@ def main(argv=None):
     if not on_gpu:
         harness.use_simulator()
         print(f"No GPU run ({reason}): running the Numba kernels in Numba's CUDA simulator "
-              f"at small sizes (slow: about three minutes).\n")
+              f"at small sizes (slow: about two minutes on two CPU cores).\n")
     import numba_flash
     xp = np
     if on_gpu:
