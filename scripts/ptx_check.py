@@ -160,6 +160,13 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
                 yield (f"mma_bwd_dq_{tag}",
                        mma_dq_kernel_function(bwd, spec),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
+                if head_dim == 64:  # contiguous arrays, as the backend usually passes them:
+                    # the d64 dK/dV kernel's occupancy hangs on its registers (168 or fewer
+                    # for three blocks of 128 threads per multiprocessor)
+                    c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
+                    yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
+                           f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32)",
+                           dk_dv_bytes)
 
 
 def main(argv=None):

@@ -9,8 +9,9 @@ result pays.
 Here an array is a `DeviceView` (pointer, shape, strides, dtype, read straight from CuPy,
 torch or `__cuda_array_interface__`). The compiled kernel is looked up once per (kernel,
 argument types, device), and the arguments are packed the way Numba's kernel ABI lays an array
-out (`ARRAY_FIELDS`; numba-cuda is pinned < 0.31 in setup.cfg, and tests/test_launch.py checks
-the layout against Numba's data model) once per argument signature into a `PreparedLaunch`,
+out (`ARRAY_FIELDS`; numba-cuda is pinned < 0.31 in setup.cfg, and tests/backends/test_launch.py
+checks the layout against Numba's data model) once per argument signature into a
+`PreparedLaunch`,
 which then takes only the arrays' addresses and a stream to call cuLaunchKernel. Under the
 simulator the arrays are NumPy arrays and launches go through Numba as before.
 """

@@ -40,12 +40,12 @@ def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal
 
 
 @settings(max_examples=40, deadline=None)
-@given(**SIZES, key_tail_masked=st.booleans())
+@given(**SIZES, key_bound=st.booleans())
 def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqlen_k, block_m,
-                                                                 block_n, causal, key_tail_masked):
+                                                                 block_n, causal, key_bound):
     spec = AttentionSpec(16, "float32", causal=causal)
-    key_range, query_range, tile_class, _ = make_block_range(spec, block_m, block_n,
-                                                             key_tail_masked)
+    key_range, query_range, tile_class, is_partial, _ = make_block_range(
+        spec, block_m, block_n, key_bound)
     truth = _truth(spec, seqlen_q, seqlen_k)
     for m0 in range(0, seqlen_q, block_m):
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
@@ -53,14 +53,17 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
         assert n_begin % block_n == 0
         for n0 in range(0, seqlen_k, block_n):
             tile = truth[m0:m0 + block_m, n0:n0 + block_n]
-            overhangs = key_tail_masked and n0 + block_n > seqlen_k
+            overhangs = n0 + block_n > seqlen_k
             expected = (EMPTY if not tile.any() else
-                        PARTIAL if overhangs or not tile.all() else FULL)
+                        PARTIAL if (key_bound and overhangs) or not tile.all() else FULL)
             got = tile_class(m0, n0, seqlen_q, seqlen_k)
-            # a tile may be called partial when only its rows past seqlen_q are masked
-            assert got == expected or (got == PARTIAL and expected == FULL
-                                       and m0 + block_m > seqlen_q), (m0, n0)
+            # a tile may be called partial when only its rows past seqlen_q, or without
+            # key_bound its keys past seqlen_k, are masked: those are never stored
+            assert got == expected or (got == PARTIAL and expected == FULL and (
+                m0 + block_m > seqlen_q or overhangs)), (m0, n0)
             assert (n0 in visited) == (expected != EMPTY), (m0, n0)
+            if got != EMPTY:
+                assert is_partial(m0, n0, seqlen_q, seqlen_k) == (got == PARTIAL), (m0, n0)
     for n0 in range(0, seqlen_k, block_n):
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
         assert m_begin % block_m == 0 and m_end == seqlen_q
@@ -73,7 +76,7 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
 def test_no_tile_when_no_query_of_the_tile_sees_a_key(causal):
     """seqlen_q > seqlen_k, causal: the first rows see no key, so their tiles visit nothing."""
     spec = AttentionSpec(16, "float32", causal=causal)
-    key_range, _, _, _ = make_block_range(spec, 16, 16)
+    key_range = make_block_range(spec, 16, 16)[0]
     n_begin, n_end = key_range(0, 100, 20)  # rows 0..15 see keys j <= i - 80: none
     assert (n_end <= n_begin) == causal
 

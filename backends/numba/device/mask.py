@@ -10,13 +10,18 @@ from numba import cuda
 
 
 @functools.lru_cache(maxsize=None)
-def make_mask(spec):
-    """visible(row, col, seqlen_k, offset) -> bool for the call's spec (for_kernels())."""
+def make_mask(spec, key_bound=True):
+    """visible(row, col, seqlen_k, offset) -> bool for the call's spec (for_kernels()).
+
+    key_bound=False leaves out the test against seqlen_k, for kernels whose rows past seqlen_k
+    are never stored (dK/dV, with block_range's key_bound=False); there it would cost
+    registers for nothing (two more took the d64 dK/dV kernel from three blocks per
+    multiprocessor to two)."""
     causal = spec.causal
 
     @cuda.jit(device=True, inline="always")
     def visible(row, col, seqlen_k, offset):
-        if col >= seqlen_k:
+        if key_bound and col >= seqlen_k:
             return False
         return not causal or col <= row + offset
 

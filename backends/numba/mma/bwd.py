@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16
 
-from ..device.block_range import PARTIAL, make_block_range
+from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
@@ -69,10 +69,9 @@ def mma_dk_dv_kernel_function(config, spec):
     scores = make_warp_scores(spec.bf16, 1, NQ, D // 16, ROW)
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_M // 16, DB, ROW)
     store = make_warp_store(spec.bf16, DB)
-    visible = make_mask(spec)
+    visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
-    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N,
-                                                     key_tail_masked=False)
+    _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
 
     @cuda.jit(device=True, inline="always")
     def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):
@@ -148,12 +147,12 @@ def mma_dk_dv_kernel_function(config, spec):
                 cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
             stage_bytes = 2 * ROW * BLOCK_M * stage  # where this stage's Q and dO rows start
-            # (the addresses go through `opaque` each tile: see intrinsics._LDMATRIX_AT's comment)
+            # (the addresses go through `opaque` each tile: see ldmatrix._LDMATRIX_AT's comment)
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
             scores(s, opaque(k_a), opaque(q_b + stage_bytes))
             scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
-            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for nq in range(NQ):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
@@ -201,7 +200,7 @@ def mma_dq_kernel_function(config, spec):
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_N // 16, DB, ROW)
     store = make_warp_store(spec.bf16, DB)
     visible = make_mask(spec)
-    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     @cuda.jit(device=True, inline="always")
     def load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, stage):
@@ -275,7 +274,7 @@ def mma_dq_kernel_function(config, spec):
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
             scores(s, opaque(q_a), opaque(k_b + stage_bytes))
             scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
-            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for nb in range(NB):
                 for r in range(4):
                     hi = r >= 2

@@ -29,7 +29,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from ..device.block_range import PARTIAL, make_block_range
+from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
@@ -82,7 +82,7 @@ def mma_forward_kernel_function(config, spec):
         def q_scores(s, q_frag, q_lane, k_at):
             scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
     visible = make_mask(spec)
-    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2):
         lane = cuda.threadIdx.x % WARP
@@ -159,7 +159,7 @@ def mma_forward_kernel_function(config, spec):
                 load_tile(k_tile, 0, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
-            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for sl in range(SL):
                 row_lo = m0 + warp_row0 + 16 * sl + g
                 # Mask: -inf where the row does not see the key (partial tiles only).

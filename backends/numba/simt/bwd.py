@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import PARTIAL, make_block_range
+from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
@@ -63,10 +63,9 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     REG_D = (TK, 4 * CHUNKS)
     if BLOCK_M > THREADS:
         raise ValueError(f"{config}: a dk/dv query tile of {BLOCK_M} rows needs as many threads")
-    visible = make_mask(spec)
+    visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
-    _, query_range, tile_class, _ = make_block_range(spec, BLOCK_M, BLOCK_N,
-                                                     key_tail_masked=False)
+    _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
@@ -132,7 +131,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
             tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
             tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
-            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for i in range(TK):
                 key = ty + LANE_ROWS * i
                 for j in range(TQ):
@@ -187,7 +186,7 @@ def _dq_kernel_function(config, spec, async_copy):
     REG_S = (TM, TN)
     REG_D = (TM, 4 * CHUNKS)
     visible = make_mask(spec)
-    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
@@ -244,7 +243,7 @@ def _dq_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_N  # this stage's rows in k_tiles, v_tiles
             tile_scores(s, q_tile, k_tiles, ty, row0 + tx)
             tile_scores(dp, do_tile, v_tiles, ty, row0 + tx)
-            partial = tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for i in range(TM):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):

@@ -17,7 +17,7 @@ class SimtEngine(Engine):
 
     def reason(self, spec, q, k, v):
         if spec.dtype not in DTYPES:
-            return f"the SIMT kernels take {', '.join(DTYPES)}, not {spec.dtype}"
+            return f"the SIMT kernels take float16, bfloat16 or float32, not {spec.dtype}"
         if spec.bf16 and not simulator_enabled():
             cc = compute_capability(_arrays.device_id(q))
             if cc < TENSOR_CORE_CC:  # rounding to bfloat16 (cvt.rn.bf16x2) is sm_80 and newer

@@ -28,7 +28,7 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import PARTIAL, make_block_range
+from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
 from ..device.mask import make_mask
@@ -63,7 +63,7 @@ def forward_kernel_function(config, spec, async_copy=False):
     store = make_chunked_store(TM, CHUNKS, LANE_ROWS, LANE_COLS, head_dim, bf16,
                                per_row_scale=True)
     visible = make_mask(spec)
-    key_range, _, tile_class, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
@@ -112,7 +112,7 @@ def forward_kernel_function(config, spec, async_copy=False):
             # Scores: S = Q Kᵀ for this thread's register tile; -inf where the row does not
             # see the key (partial tiles only).
             tile_scores(s, q_tile, k_tile, ty, tx)
-            if tile_class(m0, n0, seqlen_q, seqlen_k) == PARTIAL:
+            if is_partial(m0, n0, seqlen_q, seqlen_k):
                 for i in range(TM):
                     for j in range(TN):
                         if not visible(m0 + ty + LANE_ROWS * i, n0 + tx + LANE_COLS * j,
