@@ -34,7 +34,14 @@ class AttentionSpec:
     head_dim: int
     dtype: str
     causal: bool = False
-    softmax_scale: float = None
+    softmax_scale: float | None = None
+
+    def __post_init__(self):
+        # the spec is hashed on every call (the call cache's signature): once is enough
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self):
+        return self._hash
 
     def for_kernels(self, **changes):
         """The spec a kernel factory is keyed on: run-time values cleared, with `changes`
@@ -75,6 +82,8 @@ def resolve_softmax_scale(softmax_scale, head_dim):
 
 
 def _build(head_dim, dtype, causal, softmax_scale):
+    """dtype: a name, or an array's dtype object (numpy or torch)."""
+    dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
     check_causal(causal)
     # (a q without a valid head dim meets its error in the array checks, before any use)
     scale = resolve_softmax_scale(softmax_scale, max(head_dim, 1))
@@ -91,7 +100,7 @@ def make_spec(q, *, causal=False, softmax_scale=None):
     numba_flash._checks'; a q without a head dim gets its error there."""
     shape = getattr(q, "shape", None)
     head_dim = int(shape[-1]) if shape is not None and len(shape) else 0
-    dtype = _arrays.dtype_name(q) if hasattr(q, "dtype") else ""
+    dtype = getattr(q, "dtype", "")
     if type(causal) is bool and type(softmax_scale) in (float, int, type(None)):
         return _cached_build(head_dim, dtype, causal, softmax_scale)
     return _build(head_dim, dtype, causal, softmax_scale)
