@@ -1,6 +1,7 @@
 """Array checks for the public API (the options are numba_flash.spec's). Each raises one clear
 error before any kernel launch."""
 from . import _arrays
+from .spec import check_group
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -20,7 +21,8 @@ def check_array(name, x):
 
 
 def check_qkv(q, k, v):
-    """Check q, k, v shapes and dtypes; return (batch, seqlen_q, seqlen_k, nheads, headdim)."""
+    """Check q, k, v shapes and dtypes (k and v may have fewer heads than q: GQA); return
+    (batch, seqlen_q, seqlen_k, nheads, headdim), nheads q's."""
     kinds = {name: check_array(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
@@ -31,10 +33,12 @@ def check_qkv(q, k, v):
     for name, x in (("k", k), ("v", v)):
         if int(x.shape[0]) != batch:
             raise ValueError(f"batch size mismatch: q has {batch}, {name} has {int(x.shape[0])}")
-        if int(x.shape[2]) != nheads:
-            raise ValueError(f"nheads mismatch: q has {nheads}, {name} has {int(x.shape[2])}")
         if int(x.shape[3]) != headdim:
             raise ValueError(f"headdim mismatch: q has {headdim}, {name} has {int(x.shape[3])}")
+    nheads_kv = int(k.shape[2])
+    if int(v.shape[2]) != nheads_kv:
+        raise ValueError(f"nheads mismatch: k has {nheads_kv}, v has {int(v.shape[2])}")
+    check_group(nheads, nheads_kv)
     if int(v.shape[1]) != seqlen_k:
         raise ValueError(f"seqlen mismatch: k has {seqlen_k} keys, v has {int(v.shape[1])}")
     if batch < 1 or nheads < 1:

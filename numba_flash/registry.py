@@ -83,9 +83,10 @@ class Selection(namedtuple("Selection", "name skipped")):
         return "\n".join(lines)
 
 
-def select_backend(q, k, v, *, causal=False, softmax_scale=None, backend=AUTO):
-    """Which backend runs this call, and why each backend tried before it was skipped."""
-    return _select(backend, make_spec(q, causal=causal, softmax_scale=softmax_scale), q, k, v)
+def select_backend(q, k, v, *, backend=AUTO, **options):
+    """Which backend runs this call (forward's options: causal, softmax_scale, window_size,
+    softcap), and why each backend tried before it was skipped."""
+    return _select(backend, make_spec(q, k, **options), q, k, v)
 
 
 def _select(backend, spec, q, k, v):

@@ -13,6 +13,7 @@ A variant is added here first: a field (with its default: the plain attention), 
 import dataclasses
 import functools
 import math
+import numbers
 
 from numba_flash import _arrays
 
@@ -26,17 +27,30 @@ _FLOAT32_SCALE_MAX = 1e38  # and finite
 class AttentionSpec:
     """Every option of one call, with the facts of q the kernels are built for.
 
-    causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned).
-    softmax_scale: the resolved scale (headdim ** -0.5 by default); None in for_kernels().
     head_dim, dtype: q's head dim and dtype name ('float16', 'bfloat16', ...).
+    causal: query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned); the
+        same as window_right = 0, and either sets the other.
+    softmax_scale: the resolved scale (headdim ** -0.5 by default); None in for_kernels().
+    window_left, window_right: query i sees key j iff i + seqlen_k - seqlen_q - window_left
+        <= j <= i + seqlen_k - seqlen_q + window_right; -1 leaves that side unbounded.
+    softcap: > 0 replaces the scaled score s by softcap · tanh(s / softcap); 0 leaves it.
+    group: query heads per key/value head (GQA; 1 for multi-head attention): query head h
+        reads key/value head h // group.
     """
 
     head_dim: int
     dtype: str
     causal: bool = False
     softmax_scale: float | None = None
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    group: int = 1
 
     def __post_init__(self):
+        if self.causal or self.window_right == 0:  # one spec for one meaning
+            object.__setattr__(self, "causal", True)
+            object.__setattr__(self, "window_right", 0)
         # the spec is hashed on every call (the call cache's signature): once is enough
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
@@ -53,11 +67,51 @@ class AttentionSpec:
         """Whether the kernels see bfloat16 bit patterns."""
         return self.dtype == "bfloat16"
 
+    @property
+    def windowed(self):
+        """Whether some keys are out of some query's sight (causal or a window)."""
+        return self.window_left >= 0 or self.window_right >= 0
+
 
 def check_causal(causal):
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     return causal
+
+
+def check_window_size(window_size):
+    """(left, right): two ints, each -1 (unbounded) or >= 0."""
+    message = ("window_size must be a pair of ints (left, right), each -1 (unbounded) or >= 0; "
+               f"got {window_size!r}")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(message) from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(message)
+        if side < -1:
+            raise ValueError(message)
+    return int(left), int(right)
+
+
+def check_softcap(softcap):
+    """A finite float >= 0 (0: no softcapping)."""
+    message = f"softcap must be a finite number >= 0 (0 turns it off); got {softcap!r}"
+    if isinstance(softcap, (bool, str, bytes)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(message)
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0.0:
+        raise ValueError(message)
+    return softcap
+
+
+def check_group(nheads_q, nheads_kv):
+    """Query heads per key/value head: nheads_q a multiple of nheads_kv."""
+    if nheads_kv < 1 or nheads_q % nheads_kv:
+        raise ValueError(f"nheads of q must be a multiple of nheads of k and v (grouped-query "
+                         f"attention); got q with {nheads_q} heads, k with {nheads_kv}")
+    return nheads_q // nheads_kv
 
 
 def resolve_softmax_scale(softmax_scale, head_dim):
@@ -81,26 +135,43 @@ def resolve_softmax_scale(softmax_scale, head_dim):
     return scale
 
 
-def _build(head_dim, dtype, causal, softmax_scale):
+def _build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap):
     """dtype: a name, or an array's dtype object (numpy or torch)."""
     dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
     check_causal(causal)
     # (a q without a valid head dim meets its error in the array checks, before any use)
     scale = resolve_softmax_scale(softmax_scale, max(head_dim, 1))
-    return AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal, softmax_scale=scale)
+    left, right = check_window_size(window_size)
+    return AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal, softmax_scale=scale,
+                         window_left=left, window_right=right, softcap=check_softcap(softcap),
+                         group=group)
 
+
+_SCALAR_TYPES = (float, int, type(None))
 
 # Repeated calls make the same spec: built once per options (errors are raised, not cached).
 _cached_build = functools.lru_cache(maxsize=256)(_build)
 
 
-def make_spec(q, *, causal=False, softmax_scale=None):
-    """The spec of a call on q (any array the API takes) with these options; TypeError or
-    ValueError naming the option that is wrong. q's own checks (rank, dtype, shapes) are
-    numba_flash._checks'; a q without a head dim gets its error there."""
+def _heads(x):
+    """x's number of heads, or None where x is no 4-D array (its checks will say so)."""
+    shape = getattr(x, "shape", None)
+    return int(shape[2]) if shape is not None and len(shape) == 4 else None
+
+
+def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+              softcap=0.0):
+    """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
+    GQA) with these options; TypeError or ValueError naming the option that is wrong. The
+    arrays' own checks (rank, dtype, shapes) are numba_flash._checks'; a q without a head dim
+    gets its error there."""
     shape = getattr(q, "shape", None)
     head_dim = int(shape[-1]) if shape is not None and len(shape) else 0
     dtype = getattr(q, "dtype", "")
-    if type(causal) is bool and type(softmax_scale) in (float, int, type(None)):
-        return _cached_build(head_dim, dtype, causal, softmax_scale)
-    return _build(head_dim, dtype, causal, softmax_scale)
+    heads = _heads(q), None if k is None else _heads(k)
+    group = 1 if None in heads else check_group(*heads)
+    if (type(causal) is bool and type(softmax_scale) in _SCALAR_TYPES
+            and type(window_size) is tuple and all(type(side) is int for side in window_size)
+            and type(softcap) in _SCALAR_TYPES):
+        return _cached_build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap)
+    return _build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap)

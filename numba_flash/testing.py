@@ -6,7 +6,7 @@ floor relative to the magnitude of the values.
 """
 import numpy as np
 
-from numba_flash.reference import visible
+from numba_flash.reference import expand_kv, reduce_kv, score_mod, visible
 
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
@@ -60,18 +60,21 @@ def round16(xp, x, dtype):
 
 
 def _masked_scores(xp, q, k, spec):
+    """(float32 scores, -inf where masked; the score mod's derivative or None)."""
+    k = expand_kv(xp, k, spec.group)
     s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(spec.softmax_scale)
+    s, ds_dscaled = score_mod(xp, s, spec)
     mask = visible(xp, spec, q.shape[1], k.shape[1])
-    return s if mask is None else xp.where(mask, s, xp.float32(-xp.inf))
+    return (s if mask is None else xp.where(mask, s, xp.float32(-xp.inf))), ds_dscaled
 
 
 def plain16_forward(xp, q, k, v, spec, dtype):
     """(out, lse) of standard attention as a 16-bit implementation computes them."""
-    s = _masked_scores(xp, q, k, spec)
+    s, _ = _masked_scores(xp, q, k, spec)
     m = s.max(-1, keepdims=True)
     p = xp.exp(s - xp.where(xp.isneginf(m), xp.float32(0), m))
     l = p.sum(-1, keepdims=True)
-    out = xp.einsum("bhqk,bkhd->bqhd", round16(xp, p, dtype), v)
+    out = xp.einsum("bhqk,bkhd->bqhd", round16(xp, p, dtype), expand_kv(xp, v, spec.group))
     out = out / xp.where(l == 0, xp.float32(1), l).transpose(0, 2, 1, 3)
     lse = xp.where(l == 0, xp.float32(-xp.inf), m + xp.log(xp.where(l == 0, 1, l)))[..., 0]
     return round16(xp, out, dtype), lse
@@ -79,14 +82,16 @@ def plain16_forward(xp, q, k, v, spec, dtype):
 
 def plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype):
     """(dq, dk, dv) of standard attention as a 16-bit implementation computes them."""
-    s = _masked_scores(xp, q, k, spec)
+    s, ds_dscaled = _masked_scores(xp, q, k, spec)
+    k, v = (expand_kv(xp, x, spec.group) for x in (k, v))
     p = xp.exp(s - xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse)[..., None])
     delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
     dp = xp.einsum("bqhd,bkhd->bhqk", dout, v)
-    ds = round16(xp, p * (dp - delta), dtype)
+    ds = p * (dp - delta)
+    ds = round16(xp, ds if ds_dscaled is None else ds * ds_dscaled, dtype)
     p = round16(xp, p, dtype)
-    dv = xp.einsum("bhqk,bqhd->bkhd", p, dout)
+    dv = reduce_kv(xp, xp.einsum("bhqk,bqhd->bkhd", p, dout), spec.group)
     scale = xp.float32(spec.softmax_scale)
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, k) * scale
-    dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dk = reduce_kv(xp, xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale, spec.group)
     return tuple(round16(xp, x, dtype) for x in (dq, dk, dv))

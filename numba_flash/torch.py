@@ -17,21 +17,24 @@ class FlashAttentionFunction(torch.autograd.Function):
     """autograd wrapper of numba_flash.forward / numba_flash.backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, backend):
-        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               backend=backend)
+    def forward(ctx, q, k, v, options):
+        out, lse = api.forward(q, k, v, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+        ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = api.backward(dout, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, backend="auto"):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              backend="auto"):
     """Differentiable exact attention of torch tensors; see numba_flash.forward for the
-    arguments. Returns the output only (the log-sum-exp is kept for the backward)."""
-    return FlashAttentionFunction.apply(q, k, v, causal, softmax_scale, backend)
+    arguments (k and v may have fewer heads than q: GQA). Returns the output only (the
+    log-sum-exp is kept for the backward)."""
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, backend=backend)
+    return FlashAttentionFunction.apply(q, k, v, options)

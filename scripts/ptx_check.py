@@ -9,7 +9,10 @@ or any kernel uses local memory, spills, or needs over 48 KiB of static shared m
 dynamic shared memory than allowed (tensor cores: MMA_SHARED_MEMORY_BYTES; SIMT: what a block
 may have on the target, OPT_IN_SHARED_BYTES).
 
-    python scripts/ptx_check.py --cc 80 90
+    python scripts/ptx_check.py --cc 80 90 [--variants]
+
+--variants adds, per head dim and dtype, the kernels of a spec with every variant at once
+(GQA, a causal sliding window, softcap: the most registers a variant takes), named "variants".
 """
 import argparse
 import glob
@@ -79,7 +82,18 @@ def ptxas_report(ptxas, ptx, cc):
             "shared_bytes": number(r"(\d+) bytes smem")}
 
 
-def kernel_cases(head_dims, dtypes, cc, all_configs=False):
+VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4)
+
+
+def _specs(head_dim, dtype, variants):
+    """(tag word, spec): full, causal and, with variants, all of them at once."""
+    yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype)
+    yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True)
+    if variants:
+        yield "variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS)
+
+
+def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
     """(name, python function, signature, dynamic shared bytes) for every SIMT kernel of every
     (head_dim, causal, dtype). The forward and the backward are built as the backend runs them
     on a GPU of this compute capability: its config (or, with all_configs, each candidate, the
@@ -91,9 +105,8 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
         f3 = "float32[:, :, :]"
         for head_dim in head_dims:
-            for causal in (False, True):
-                tag = f"d{head_dim}_{'causal' if causal else 'full'}_{dtype}"
-                spec = AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal)
+            for kind, spec in _specs(head_dim, dtype, variants):
+                tag = f"d{head_dim}_{kind}_{dtype}"
                 configs = (simt_forward_candidates(head_dim) if all_configs
                            else [simt_forward_config(head_dim, shared_limit)])
                 # the loads the backend takes on this target: cp.async for float32 rows of
@@ -119,7 +132,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
                         dk_dv, dq = backward_kernel_functions(config, spec, async_copy)
                         end = (f"{'_async' if async_copy else ''}"
                                f"{'_' + shape if all_configs else ''}")
-                        if not causal and config == configs[0]:  # (one delta kernel)
+                        if kind == "full" and config == configs[0]:  # (one delta kernel)
                             delta = delta_kernel_function(head_dim, "bf16" if bf16 else "float")
                             yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0
                         yield (f"bwd_dk_dv_{tag}{end}", dk_dv,
@@ -133,7 +146,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False):
 MMA_DTYPES = ("float16", "bfloat16")
 
 
-def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
+def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
     """The tensor-core kernels for every head dim that has an mma config (their tiles are in
     dynamic shared memory, so ptxas does not see them: the config says how much)."""
     u4 = "uint16[:, :, :, :]"
@@ -143,11 +156,9 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
             continue
         bwd = mma_backward_config(head_dim)
         dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
-        for causal in (False, True):
-            for dtype in dtypes:
-                spec = AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal)
-                tag = (f"d{head_dim}_{'causal' if causal else 'full'}_"
-                       f"{'bf16' if spec.bf16 else 'f16'}")
+        for dtype in dtypes:
+            for kind, spec in _specs(head_dim, dtype, variants):
+                tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config, spec)
                 yield (f"mma_forward_{tag}", fn,
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)",
@@ -160,9 +171,10 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES):
                 yield (f"mma_bwd_dq_{tag}",
                        mma_dq_kernel_function(bwd, spec),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
-                if head_dim == 64:  # contiguous arrays, as the backend usually passes them:
-                    # the d64 dK/dV kernel's occupancy hangs on its registers (168 or fewer
-                    # for three blocks of 128 threads per multiprocessor)
+                if head_dim == 64 and kind != "variants":  # contiguous arrays, as the
+                    # backend usually passes them: the d64 dK/dV kernel's occupancy hangs on
+                    # its registers (168 or fewer for three blocks of 128 threads per
+                    # multiprocessor)
                     c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
                     yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
                            f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32)",
@@ -179,13 +191,16 @@ def main(argv=None):
                         help="the tensor-core kernels' dtypes (none: SIMT kernels only)")
     parser.add_argument("--all-configs", action="store_true",
                         help="build the SIMT forward for every candidate config")
+    parser.add_argument("--variants", action="store_true",
+                        help="also the kernels of a spec with every variant (VARIANTS)")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
     failed = 0
     for cc in args.cc:
-        cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs)) + list(
-            mma_kernel_cases(args.head_dims, args.mma_dtypes))
+        cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
+                                  args.variants)) + list(
+            mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
         for name, function, signature, dynamic_bytes in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
             report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx,

@@ -1,8 +1,9 @@
 """Cross-check every available backend against float64 standard attention.
 
 On a machine with a CUDA GPU and CuPy: every backend x {float32, float16, bfloat16} x {causal,
-full} x a grid of shapes up to N = 4096, forward and backward; then the numba forward at
-N = 65536, checked on sampled rows, where the cupy backend is skipped for memory. bfloat16
+full} x a grid of shapes up to N = 4096, forward and backward; the variants (GQA, windows,
+softcap, their combinations) at a few shapes each; then the numba forward at N = 65536,
+checked on sampled rows, where the cupy backend is skipped for memory. bfloat16
 arrays are torch tensors (it is skipped, saying so, without torch). A backend that would run
 the same kernels as one already checked for a case is skipped with that reason.
 Without a GPU: the kernels run in Numba's CUDA simulator at small sizes (it says so); the
@@ -37,6 +38,20 @@ GPU_SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, headdim)
     (1, 4096, 4096, 2, 128),
 ]
 SIM_SHAPES = [(1, 17, 17, 1, 16), (1, 37, 20, 2, 64), (1, 20, 37, 1, 32)]
+# (shape, nheads of k and v, causal, options): GQA / MQA, sliding windows (narrower than a tile
+# and with both sides), softcap, and combinations
+GPU_VARIANTS = [
+    ((1, 1000, 1000, 8, 64), 2, True, {}),
+    ((1, 777, 1537, 8, 128), 1, False, {}),
+    ((1, 2048, 2048, 4, 64), 2, True, dict(window_size=(256, 0))),
+    ((1, 1500, 1300, 2, 128), 2, False, dict(window_size=(40, 7))),
+    ((1, 1024, 1024, 4, 128), 4, True, dict(softcap=30.0)),
+    ((1, 1200, 1200, 4, 96), 2, False, dict(softcap=5.0, window_size=(100, 100))),
+]
+SIM_VARIANTS = [
+    ((1, 30, 37, 4, 32), 2, True, dict(softcap=2.0)),
+    ((1, 40, 29, 2, 16), 1, False, dict(window_size=(5, 2))),
+]
 LONG = (1, 65536, 65536, 8, 64)  # forward only: the cupy backend would need O(N^2) memory
 
 
@@ -83,20 +98,34 @@ class Inputs:
         return tensor.to(torch.bfloat16)
 
 
-def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
+def _variant_name(nheads, kv_heads, options):
+    words = [f"Hkv{kv_heads}"] if kv_heads != nheads else []
+    if options.get("window_size"):
+        words.append("win{}:{}".format(*options["window_size"]))
+    if options.get("softcap"):
+        words.append(f"cap{options['softcap']:g}")
+    return " ".join(words)
+
+
+def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads=None,
+                options=None):
+    """One case: shape (batch, seqlen_q, seqlen_k, nheads, headdim); kv_heads (GQA) and
+    options (window_size, softcap) for the variants."""
     from numba_flash.reference import attention_backward, attention_forward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward, plain16_forward, round16
     batch, seqlen_q, seqlen_k, nheads, headdim = shape
+    kv_heads, options = kv_heads or nheads, dict(options or {}, causal=causal)
     case = (f"{dtype:8s} {'causal' if causal else 'full  '} B{batch} H{nheads} "
-            f"Nq{seqlen_q} Nk{seqlen_k} D{headdim}")
+            f"Nq{seqlen_q} Nk{seqlen_k} D{headdim} {_variant_name(nheads, kv_heads, options)}")
     bf16 = dtype == "bfloat16"
-    values = harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype)
+    values = list(harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype))
+    values[1:3] = [xp.ascontiguousarray(x[:, :, :kv_heads]) for x in values[1:3]]
     if bf16:
         values = [round16(xp, x, dtype) for x in values]
     inputs = Inputs(xp, values, dtype, on_gpu)
     q, k, v, dout = values
-    spec = make_spec(q, causal=causal)
+    spec = make_spec(q, k, **options)
     ref_out, ref_lse = attention_forward(xp, q, k, v, spec, "float64")
     # out and lse handed to backward: the reference's, rounded as forward would return them.
     out_in = (round16(xp, ref_out, dtype) if bf16 else
@@ -128,7 +157,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
             continue
         args = [inputs.for_backend(x, host) for x in (q, k, v)]
         backend = numba_flash.get_backend(name)
-        backend_spec = make_spec(args[0], causal=causal)
+        backend_spec = make_spec(args[0], args[1], **options)
         reason = backend.supports(backend_spec, *args)
         if reason:
             table.skip(name, case, reason)
@@ -146,7 +175,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
         engines_run[engine] = name
         if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
-        out, lse = numba_flash.forward(*args, causal=causal, backend=name)
+        out, lse = numba_flash.forward(*args, backend=name, **options)
         table.add(name, case, "out", max_error(to_host(out), ref_out), limits["out"])
         table.add(name, case, "lse", max_error(to_host(lse), ref_lse), limits["lse"])
         bargs = [inputs.for_backend(x, host) for x in (dout, q, k, v, out_in)]
@@ -156,7 +185,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu):
             bargs[-1] = torch.from_dlpack(lse_in)
         if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
-        grads = numba_flash.backward(*bargs, causal=causal, backend=name)
+        grads = numba_flash.backward(*bargs, backend=name, **options)
         for gname, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             table.add(name, case, gname, max_error(to_host(got), ref), limits[gname])
 
@@ -237,6 +266,11 @@ def main(argv=None):
                                "bfloat16 arrays come as torch tensors, and torch is not installed")
                     continue
                 verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu)
+    variants = (GPU_VARIANTS if on_gpu else SIM_VARIANTS)[:1 if args.quick else None]
+    for shape, kv_heads, causal, options in variants:
+        for dtype in ("float32", "float16", "bfloat16")[:3 if have_torch else 2]:
+            verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads,
+                        options)
     if on_gpu and not args.quick:
         for causal in (False, True):
             verify_long(table, numba_flash, xp, rng, causal)

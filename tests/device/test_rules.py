@@ -1,5 +1,6 @@
-"""The shared device rules (backends/numba/device: mask, block_range, softmax) against brute
-force over the float64 reference's own mask, for random sizes, tiles and options. Under the
+"""The shared device rules (backends/numba/device: mask, block_range, softmax, score_mod)
+against brute force over the float64 reference's own mask and score mod, for random sizes,
+tiles and options (causal, windows smaller than a tile and wider than the sequence). Under the
 simulator the device functions are plain Python, so each rule is checked element by element."""
 import math
 
@@ -10,15 +11,23 @@ from hypothesis import strategies as st
 
 from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
                                                            make_block_range)
+from numba_flash.backends.numba.device.constants import LOG2E
 from numba_flash.backends.numba.device.mask import make_mask
+from numba_flash.backends.numba.device.score_mod import make_score_mod
 from numba_flash.backends.numba.device.softmax import (finalize, grad_score, lse_log2,
                                                        online_update, probability)
-from numba_flash.reference import visible
+from numba_flash.reference import score_mod, visible
 from numba_flash.spec import AttentionSpec
 
+WINDOW_SIDE = st.one_of(st.just(-1), st.integers(0, 12), st.just(100))
 SIZES = dict(seqlen_q=st.integers(1, 70), seqlen_k=st.integers(1, 70),
              block_m=st.sampled_from([1, 4, 16, 32]), block_n=st.sampled_from([1, 8, 16, 48]),
-             causal=st.booleans())
+             causal=st.booleans(), window=st.tuples(WINDOW_SIDE, WINDOW_SIDE))
+
+
+def _spec(causal, window):
+    return AttentionSpec(16, "float32", causal=causal, window_left=window[0],
+                         window_right=window[1])
 
 
 def _truth(spec, seqlen_q, seqlen_k):
@@ -26,10 +35,10 @@ def _truth(spec, seqlen_q, seqlen_k):
     return np.ones((seqlen_q, seqlen_k), bool) if mask is None else mask
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(**SIZES)
-def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal):
-    spec = AttentionSpec(16, "float32", causal=causal)
+def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal, window):
+    spec = _spec(causal, window)
     seen = make_mask(spec)
     truth = _truth(spec, seqlen_q, seqlen_k)
     offset = seqlen_k - seqlen_q
@@ -39,11 +48,12 @@ def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal
     assert not got[:, seqlen_k:].any()  # the zero-filled tail of the last key tile
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(**SIZES, key_bound=st.booleans())
 def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqlen_k, block_m,
-                                                                 block_n, causal, key_bound):
-    spec = AttentionSpec(16, "float32", causal=causal)
+                                                                 block_n, causal, window,
+                                                                 key_bound):
+    spec = _spec(causal, window)
     key_range, query_range, tile_class, is_partial, _ = make_block_range(
         spec, block_m, block_n, key_bound)
     truth = _truth(spec, seqlen_q, seqlen_k)
@@ -66,10 +76,10 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
                 assert is_partial(m0, n0, seqlen_q, seqlen_k) == (got == PARTIAL), (m0, n0)
     for n0 in range(0, seqlen_k, block_n):
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
-        assert m_begin % block_m == 0 and m_end == seqlen_q
+        assert m_begin % block_m == 0 and m_end <= seqlen_q
         for m0 in range(0, seqlen_q, block_m):
             seen = truth[m0:m0 + block_m, n0:n0 + block_n].any()
-            assert (m0 >= m_begin) == seen, (m0, n0)
+            assert (m_begin <= m0 < m_end) == seen, (m0, n0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -105,3 +115,34 @@ def test_a_row_that_sees_no_key_gets_zero_and_minus_inf():
     assert finalize(np.float32(0), m_i) == (0, -np.inf)
     assert lse_log2(np.float32(-np.inf)) == np.inf  # so that P = exp2(S - lse) = 0
     assert probability(np.float32(3), np.float32(1), lse_log2(np.float32(-np.inf))) == 0
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, -1), (0, 0), (5, 2)])
+def test_causal_is_the_window_minus_one_zero(window):
+    """One spec for one meaning: a right side of 0 is causal, and causal sets it to 0."""
+    spec = AttentionSpec(16, "float32", window_left=window[0], window_right=window[1])
+    assert spec.windowed == (window != (-1, -1))
+    assert spec.causal == (window[1] == 0)
+    causal = AttentionSpec(16, "float32", causal=True, window_left=window[0],
+                           window_right=window[1])
+    assert (causal.window_left, causal.window_right) == (window[0], 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(softcap=st.floats(0.1, 50), scale=st.floats(0.05, 2),
+       s=st.floats(-1e4, 1e4, allow_nan=False))
+def test_softcap_is_the_reference_score_mod_in_log2_units(softcap, scale, s):
+    spec = AttentionSpec(16, "float32", softcap=softcap)
+    active, score, score_and_grad, pre_factor = make_score_mod(spec)
+    pre = np.float32(scale * float(LOG2E)) * pre_factor
+    want, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
+    got = score(np.float32(s), pre) / float(LOG2E)
+    got_too, grad = score_and_grad(np.float32(s), pre)
+    assert active and got_too == score(np.float32(s), pre)
+    assert abs(got - want) <= 2e-6 * softcap + 1e-6 * abs(s * scale)
+    assert abs(grad - want_grad) <= 1e-5
+
+
+def test_without_a_score_mod_the_raw_score_goes_on():
+    active, _, score_and_grad, _ = make_score_mod(AttentionSpec(16, "float32"))
+    assert active is False and score_and_grad(np.float32(3.5), np.float32(7)) == (3.5, 1)

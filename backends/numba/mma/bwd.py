@@ -6,8 +6,9 @@ Same math and the same three launches as the SIMT backward (simt/bwd.py), with
 P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved lse
 (device/softmax.py), and no atomics:
   1. `delta`: D_i = rowsum(dO_i ∘ O_i), one thread per row (device/delta.py).
-  2. `dk_dv`: one block per key tile, warp w owning 16 keys. For each query tile that can see
-     the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (tensor cores, B fragments by ldmatrix), Pᵀ and
+  2. `dk_dv`: one block per key tile and key/value head, warp w owning 16 keys. For each
+     query head of the GQA group, for each of its query tiles that can see the keys:
+     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (tensor cores, B fragments by ldmatrix), Pᵀ and
      dSᵀ = Pᵀ ∘ (dPᵀ − D) in registers, then dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ / dSᵀ packed
      straight into A fragments (dO and Q read with ldmatrix.trans).
   3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
@@ -25,11 +26,12 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16
 
-from ..device.block_range import make_block_range
+from ..device.block_range import make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
 from ..device.mask import make_mask
+from ..device.score_mod import make_score_mod
 from ..device.softmax import grad_score, lse_log2, probability
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import launch
@@ -72,6 +74,9 @@ def mma_dk_dv_kernel_function(config, spec):
     visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
+    group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
 
     @cuda.jit(device=True, inline="always")
     def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):
@@ -90,12 +95,14 @@ def mma_dk_dv_kernel_function(config, spec):
         g = lane // 4
         t = lane % 4
         n0 = cuda.blockIdx.x * BLOCK_N
-        h = cuda.blockIdx.y // d_split
+        h_kv = cuda.blockIdx.y // d_split  # the key/value head; its GROUP query heads summed
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dK, dV column
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
+        pre = scale_log2 * PRE_FACTOR
         key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
 
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: K, V, Q, dO tiles
@@ -114,14 +121,17 @@ def mma_dk_dv_kernel_function(config, spec):
                 dk_acc[0, db, r] = ZERO
                 dv_acc[0, db, r] = ZERO
 
-        # Load: K and V of this key tile, once (and with two stages the first query tile).
-        load_tile(k_tile, 0, k, b, n0, h, seqlen_k, BLOCK_N)
-        load_tile(v_tile, 0, v, b, n0, h, seqlen_k, BLOCK_N)
+        # Load: K and V of this key tile, once (and with two stages the first query tile, of
+        # the group's first query head).
+        load_tile(k_tile, 0, k, b, n0, h_kv, seqlen_k, BLOCK_N)
+        load_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k, BLOCK_N)
         cp_async_commit()
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        m_stop, span = group_walk(m_begin, m_end)
+        h_first = h_kv * GROUP
         if STAGES == 2:
             if m_begin < m_end:
-                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m_begin,
+                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h_first, m_begin,
                              seqlen_q, 0)
             cp_async_commit()
 
@@ -132,17 +142,20 @@ def mma_dk_dv_kernel_function(config, spec):
         q_t, do_t = x4_address(q_tiles, 0) + 2 * col0, x4_address(do_tiles, 0) + 2 * col0
 
         stage = 0
-        for m0 in range(m_begin, m_end, BLOCK_M):
-            # Load: this query tile (one stage), or the next one behind this one (two stages).
+        for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
+            head, m0 = walk_position(step, m_begin, span)
+            # Load: this query tile (one stage), or the next one, of this head or the next,
+            # behind this one (two stages).
             if STAGES == 2:
-                if m0 + BLOCK_M < m_end:
-                    load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h,
-                                 m0 + BLOCK_M, seqlen_q, 1 - stage)
+                if step + BLOCK_M < m_stop:
+                    next_head, m_next = walk_position(step + BLOCK_M, m_begin, span)
+                    load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b,
+                                 h_first + next_head, m_next, seqlen_q, 1 - stage)
                 cp_async_commit()  # (empty on the last tile: the counting stays uniform)
                 cp_async_wait(1)  # everything but the next tile has landed
             else:
-                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0,
-                             seqlen_q, 0)
+                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h_first + head,
+                             m0, seqlen_q, 0)
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
@@ -157,11 +170,12 @@ def mma_dk_dv_kernel_function(config, spec):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    p = probability(s[0, nq, r], scale_log2, stats[2 * stage, c])
+                    score, dscore = score_and_grad(s[0, nq, r], pre)
+                    p = probability(score, tile_scale, stats[2 * stage, c])
                     if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset):
                         p = ZERO
                     s[0, nq, r] = p
-                    dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[2 * stage + 1, c])
+                    dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[2 * stage + 1, c]) * dscore
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
             accumulate(dv_acc, s, opaque(do_t + stage_bytes))
@@ -172,8 +186,8 @@ def mma_dk_dv_kernel_function(config, spec):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dK and dV.
-        store(dk, dk_acc, 0, b, key_lo, h, col0, seqlen_k, softmax_scale, softmax_scale)
-        store(dv, dv_acc, 0, b, key_lo, h, col0, seqlen_k, ONE, ONE)
+        store(dk, dk_acc, 0, b, key_lo, h_kv, col0, seqlen_k, softmax_scale, softmax_scale)
+        store(dv, dv_acc, 0, b, key_lo, h_kv, col0, seqlen_k, ONE, ONE)
 
     return flash_bwd_dk_dv_mma
 
@@ -201,6 +215,8 @@ def mma_dq_kernel_function(config, spec):
     store = make_warp_store(spec.bf16, DB)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
 
     @cuda.jit(device=True, inline="always")
     def load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, stage):
@@ -215,11 +231,14 @@ def mma_dq_kernel_function(config, spec):
         t = lane % 4
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y // d_split
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dQ column
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
+        pre = scale_log2 * PRE_FACTOR
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8
         lse_lo = lse_log2(lse[b, h, row_lo]) if row_lo < seqlen_q else POS_INF
@@ -247,7 +266,7 @@ def mma_dq_kernel_function(config, spec):
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         if STAGES == 2:
             if n_begin < n_end:
-                load_keys(k_tiles, v_tiles, k, v, b, h, n_begin, seqlen_k, 0)
+                load_keys(k_tiles, v_tiles, k, v, b, h_kv, n_begin, seqlen_k, 0)
             cp_async_commit()
 
         # The lane's ldmatrix addresses (fragments.py): Q and dO (this warp's 16 queries) as
@@ -261,11 +280,12 @@ def mma_dq_kernel_function(config, spec):
             # Load: this key tile (one stage), or the next one behind this one (two stages).
             if STAGES == 2:
                 if n0 + BLOCK_N < n_end:
-                    load_keys(k_tiles, v_tiles, k, v, b, h, n0 + BLOCK_N, seqlen_k, 1 - stage)
+                    load_keys(k_tiles, v_tiles, k, v, b, h_kv, n0 + BLOCK_N, seqlen_k,
+                              1 - stage)
                 cp_async_commit()  # (empty on the last tile: the counting stays uniform)
                 cp_async_wait(1)  # everything but the next tile has landed
             else:
-                load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, 0)
+                load_keys(k_tiles, v_tiles, k, v, b, h_kv, n0, seqlen_k, 0)
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
@@ -279,11 +299,13 @@ def mma_dq_kernel_function(config, spec):
                 for r in range(4):
                     hi = r >= 2
                     col = n0 + 8 * nb + 2 * t + r % 2
-                    p = probability(s[0, nb, r], scale_log2, lse_hi if hi else lse_lo)
+                    score, dscore = score_and_grad(s[0, nb, r], pre)
+                    p = probability(score, tile_scale, lse_hi if hi else lse_lo)
                     if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset):
                         p = ZERO
                     s[0, nb, r] = p
-                    dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo)
+                    dp[0, nb, r] = grad_score(p, dp[0, nb, r],
+                                              delta_hi if hi else delta_lo) * dscore
 
             # Accumulate: dQ += dS K (scaled at the end).
             accumulate(dq_acc, dp, opaque(k_t + stage_bytes))
@@ -325,7 +347,8 @@ def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream
     check_shared_bytes(max(dk_dv_bytes, dq_bytes), f"{config} at head_dim {head_dim}")
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "f16", stream)
     split_heads = nheads * config.d_split  # (head, part of the head dim) per blockIdx.y
-    launch(dk_dv_kernel, (-(-seqlen_k // rows), split_heads, batch), threads, stream,
+    kv_split_heads = k.shape[2] * config.d_split  # dK, dV: per key/value head (GQA)
+    launch(dk_dv_kernel, (-(-seqlen_k // rows), kv_split_heads, batch), threads, stream,
            dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
     launch(dq_kernel, (-(-seqlen_q // rows), split_heads, batch), threads, stream, dq_bytes,
            q, k, v, dout, lse, delta, dq, scale_log2, scale)

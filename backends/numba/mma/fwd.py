@@ -9,6 +9,8 @@ BLOCK_N keys are shared by the warps.
   - Q tile: cp.async into shared memory once, then ldmatrix into A fragments kept in registers.
   - S = Q Kᵀ per warp (fragments.make_warp_scores): mma with B fragments ldmatrix'ed from
     the K tile (stored [key][d], which is Kᵀ in the column-major layout mma wants for B).
+  - GQA: the block of query head h reads key/value head h // group. A score mod
+    (device/score_mod.py: softcap) replaces each score in registers before the mask.
   - Online softmax on the S accumulators in registers (device/softmax.py), log2 units, the
     row max/sum of a row combined over its 4 lanes with shuffles; the mask (device/mask.py)
     only on partial tiles (device/block_range.py).
@@ -30,10 +32,11 @@ import numpy as np
 from numba import cuda, float32, uint16, uint32
 
 from ..device.block_range import make_block_range
-from ..device.constants import LOG2E, NEG_INF, ZERO
+from ..device.constants import LOG2E, NEG_INF, ONE, ZERO
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
 from ..device.mask import make_mask
+from ..device.score_mod import make_score_mod
 from ..device.softmax import finalize, online_update, probability
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import launch
@@ -83,6 +86,8 @@ def mma_forward_kernel_function(config, spec):
             scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    SCORE_MOD, modified_score, _, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2):
         lane = cuda.threadIdx.x % WARP
@@ -90,10 +95,14 @@ def mma_forward_kernel_function(config, spec):
         t = lane % 4  # the lane's column pair
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        # with a score mod, S holds modified scores in log2 units: exponentials scale by one
+        tile_scale = ONE if SCORE_MOD else scale_log2
+        pre = scale_log2 * PRE_FACTOR
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
@@ -124,9 +133,9 @@ def mma_forward_kernel_function(config, spec):
         # Load: Q, then the first K and V tiles, as three commit groups.
         load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
         cp_async_commit()
-        load_tile(k_tile, 0, k, b, n_begin, h, seqlen_k, BLOCK_N)
+        load_tile(k_tile, 0, k, b, n_begin, h_kv, seqlen_k, BLOCK_N)
         cp_async_commit()
-        load_tile(v_tile, 0, v, b, n_begin, h, seqlen_k, BLOCK_N)
+        load_tile(v_tile, 0, v, b, n_begin, h_kv, seqlen_k, BLOCK_N)
         cp_async_commit()
         cp_async_wait(2)
         cuda.syncthreads()  # why: the Q tile is complete before ldmatrix reads it
@@ -156,12 +165,16 @@ def mma_forward_kernel_function(config, spec):
 
             # Load: the next K tile, behind the softmax and P·V of this one.
             if n0 + BLOCK_N < n_end:
-                load_tile(k_tile, 0, k, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+                load_tile(k_tile, 0, k, b, n0 + BLOCK_N, h_kv, seqlen_k, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
             partial = is_partial(m0, n0, seqlen_q, seqlen_k)
             for sl in range(SL):
                 row_lo = m0 + warp_row0 + 16 * sl + g
+                if SCORE_MOD:  # (before the mask, which must leave -inf)
+                    for nb in range(NB):
+                        for r in range(4):
+                            s[sl, nb, r] = modified_score(s[sl, nb, r], pre)
                 # Mask: -inf where the row does not see the key (partial tiles only).
                 if partial:
                     for nb in range(NB):
@@ -179,7 +192,7 @@ def mma_forward_kernel_function(config, spec):
                     for mask in (1, 2):
                         tile_max = max(tile_max, shfl_xor(tile_max, mask))
                     m_i[sl, half], ref[half], alpha[half] = online_update(
-                        m_i[sl, half], tile_max * scale_log2)
+                        m_i[sl, half], tile_max * tile_scale)
                 for db in range(DB):
                     for r in range(4):
                         acc[sl, db, r] *= alpha[r // 2]
@@ -189,7 +202,7 @@ def mma_forward_kernel_function(config, spec):
                     for nb in range(NB):
                         for c in range(2):
                             s[sl, nb, 2 * half + c] = probability(s[sl, nb, 2 * half + c],
-                                                                  scale_log2, ref[half])
+                                                                  tile_scale, ref[half])
                         row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
                     l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
@@ -202,7 +215,7 @@ def mma_forward_kernel_function(config, spec):
 
             # Load: the next V tile, behind the next S = Q Kᵀ.
             if n0 + BLOCK_N < n_end:
-                load_tile(v_tile, 0, v, b, n0 + BLOCK_N, h, seqlen_k, BLOCK_N)
+                load_tile(v_tile, 0, v, b, n0 + BLOCK_N, h_kv, seqlen_k, BLOCK_N)
             cp_async_commit()
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 

@@ -7,8 +7,10 @@ saved row log-sum-exp, P = exp(S - lse). With D_i = rowsum(dO_i * O_i):
 
 Three launches, no floating-point atomics, so repeated runs are bitwise identical:
   1. `delta`: D_i for every query row (device/delta.py).
-  2. `dk_dv`: one block per key tile; loops over the query tiles that can see it (causal: it
-     starts at the first query tile on or below the diagonal) and accumulates dK, dV in registers.
+  2. `dk_dv`: one block per key tile and key/value head; loops over the query tiles that can
+     see it (causal: from the first query tile on or below the diagonal; windows: to the last
+     whose window reaches it), for each query head of its GQA group in turn, and accumulates
+     dK, dV in registers.
   3. `dq`: one block per query tile; loops over the key tiles it can see, accumulating dQ.
 
 Both loops are laid out as the forward (fwd.py): warps own bands of rows
@@ -25,11 +27,12 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import make_block_range
+from ..device.block_range import make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
 from ..device.mask import make_mask
+from ..device.score_mod import make_score_mod
 from ..device.softmax import grad_score, lse_log2, probability
 from ..gpu import SHARED_MEMORY_BYTES
 from ..launch import launch
@@ -66,17 +69,22 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
+    group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
         n0 = cuda.blockIdx.x * BLOCK_N
-        h = cuda.blockIdx.y
+        h_kv = cuda.blockIdx.y  # the key/value head; its GROUP query heads are summed over
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
+        pre = scale_log2 * PRE_FACTOR
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         k_tile = shared_tile(smem, 0, BLOCK_N, ROW, float32)
@@ -97,37 +105,48 @@ def _dk_dv_kernel_function(config, spec, async_copy):
                 dk_acc[i, c] = ZERO
                 dv_acc[i, c] = ZERO
 
-        # Load: K and V, once; Q, dO, lse and D of the first query tile into stage 0. (Every
-        # key tile has one: m_begin <= n0 - offset <= seqlen_q - 1.)
+        # Load: K and V, once; Q, dO, lse and D of the first query tile (of the group's first
+        # query head) into stage 0. (Rows past seqlen_q, as when no query sees the keys, are
+        # zeros with lse +inf.)
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
-        load_k_tile(k_tile, 0, k, b, n0, h, seqlen_k)
-        load_k_tile(v_tile, 0, v, b, n0, h, seqlen_k)
-        load_q_tile(q_tiles, 0, q, b, m_begin, h, seqlen_q)
-        load_q_tile(do_tiles, 0, dout, b, m_begin, h, seqlen_q)
+        m_stop, span = group_walk(m_begin, m_end)
+        h_first = h_kv if GROUP == 1 else h_kv * GROUP  # (so with GROUP = 1: blockIdx.y,
+        #                                                  whose range spares index checks)
+        load_k_tile(k_tile, 0, k, b, n0, h_kv, seqlen_k)
+        load_k_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k)
+        load_q_tile(q_tiles, 0, q, b, m_begin, h_first, seqlen_q)
+        load_q_tile(do_tiles, 0, dout, b, m_begin, h_first, seqlen_q)
         commit_loads()
         r = cuda.threadIdx.x  # this thread's row of the lse and D tiles, if < BLOCK_M
         if r < BLOCK_M:
             in_range = m_begin + r < seqlen_q
-            lse_tiles[0, r] = lse_log2(lse[b, h, m_begin + r]) if in_range else POS_INF
-            delta_tiles[0, r] = delta[b, h, m_begin + r] if in_range else ZERO
+            lse_tiles[0, r] = lse_log2(lse[b, h_first, m_begin + r]) if in_range else POS_INF
+            delta_tiles[0, r] = delta[b, h_first, m_begin + r] if in_range else ZERO
 
         stage = 0
-        for m0 in range(m_begin, m_end, BLOCK_M):
+        for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
+            _, m0 = walk_position(step, m_begin, span)  # (this tile's head: loaded already)
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
-            # Load: the next query tile into the other stage (two stages), while this one is
-            # used; its lse and D go to registers now and to shared memory at the end.
-            m_next = m0 + BLOCK_M
+            # Load: the next query tile (of this head or the next) into the other stage (two
+            # stages), while this one is used; its lse and D go to registers now and to
+            # shared memory at the end.
+            has_next = step + BLOCK_M < m_stop
+            next_head, m_next = walk_position(step + BLOCK_M, m_begin, span)
+            h_next = h_first if GROUP == 1 else h_first + next_head
             nxt = 1 - stage if STAGES == 2 else 0
-            if STAGES == 2 and m_next < m_end:
-                load_q_tile(q_tiles, nxt * BLOCK_M, q, b, m_next, h, seqlen_q)
-                load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, m_next, h, seqlen_q)
+            if STAGES == 2 and has_next:
+                load_q_tile(q_tiles, nxt * BLOCK_M, q, b, m_next, h_next, seqlen_q)
+                load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, m_next, h_next, seqlen_q)
             commit_loads()
-            next_in_range = r < BLOCK_M and m_next + r < seqlen_q
-            next_lse = lse[b, h, m_next + r] if next_in_range else ZERO
-            next_delta = delta[b, h, m_next + r] if next_in_range else ZERO
+            # (past the group's last tile, next_head is out of the group: nothing is read)
+            next_in_range = (r < BLOCK_M and (GROUP == 1 or has_next)
+                             and m_next + r < seqlen_q)
+            next_lse = lse[b, h_next, m_next + r] if next_in_range else ZERO
+            next_delta = delta[b, h_next, m_next + r] if next_in_range else ZERO
 
-            # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ; then P = exp2(S - lse), dS = P (dP - D).
+            # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ; then P = exp2(S - lse), dS = P (dP - D)
+            # (times the score mod's derivative).
             row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
             tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
             tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
@@ -137,11 +156,13 @@ def _dk_dv_kernel_function(config, spec, async_copy):
                 for j in range(TQ):
                     query = tx + LANE_COLS * j
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    p = probability(s[i, j], scale_log2, lse_tiles[stage, query])
+                    score, dscore = score_and_grad(s[i, j], pre)
+                    p = probability(score, tile_scale, lse_tiles[stage, query])
                     if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
                     p_tile[key, query] = p
-                    ds_tile[key, query] = grad_score(p, dp[i, j], delta_tiles[stage, query])
+                    ds_tile[key, query] = grad_score(p, dp[i, j],
+                                                     delta_tiles[stage, query]) * dscore
             syncwarp()  # why: the warp's P and dS rows complete before its lanes read them
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
@@ -149,9 +170,9 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             accumulate(dk_acc, ds_tile, q_tiles, ty, tx, row0)
             if STAGES == 1:
                 cuda.syncthreads()  # why: every read of the one stage done before reloading
-                if m_next < m_end:
-                    load_q_tile(q_tiles, 0, q, b, m_next, h, seqlen_q)
-                    load_q_tile(do_tiles, 0, dout, b, m_next, h, seqlen_q)
+                if has_next:
+                    load_q_tile(q_tiles, 0, q, b, m_next, h_next, seqlen_q)
+                    load_q_tile(do_tiles, 0, dout, b, m_next, h_next, seqlen_q)
                 commit_loads()
             if r < BLOCK_M:
                 lse_tiles[nxt, r] = lse_log2(next_lse) if next_in_range else POS_INF
@@ -160,8 +181,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
 
         # Epilogue: one write of dK and dV (key rows past seqlen_k, whose zero K rows gave
         # them nonzero P, are not written).
-        store_tile(dk, dk_acc, b, n0, h, seqlen_k, ty, tx, softmax_scale)
-        store_tile(dv, dv_acc, b, n0, h, seqlen_k, ty, tx, ONE)
+        store_tile(dk, dk_acc, b, n0, h_kv, seqlen_k, ty, tx, softmax_scale)
+        store_tile(dv, dv_acc, b, n0, h_kv, seqlen_k, ty, tx, ONE)
 
     return flash_bwd_dk_dv
 
@@ -187,6 +208,8 @@ def _dq_kernel_function(config, spec, async_copy):
     REG_D = (TM, 4 * CHUNKS)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
         lane = cuda.threadIdx.x % 32
@@ -194,10 +217,13 @@ def _dq_kernel_function(config, spec, async_copy):
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
+        pre = scale_log2 * PRE_FACTOR
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -223,8 +249,8 @@ def _dq_kernel_function(config, spec, async_copy):
         load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
         load_q_tile(do_tile, 0, dout, b, m0, h, seqlen_q)
         if n_begin < n_end:
-            load_k_tile(k_tiles, 0, k, b, n_begin, h, seqlen_k)
-            load_k_tile(v_tiles, 0, v, b, n_begin, h, seqlen_k)
+            load_k_tile(k_tiles, 0, k, b, n_begin, h_kv, seqlen_k)
+            load_k_tile(v_tiles, 0, v, b, n_begin, h_kv, seqlen_k)
         commit_loads()
 
         stage = 0
@@ -235,8 +261,8 @@ def _dq_kernel_function(config, spec, async_copy):
             n_next = n0 + BLOCK_N
             nxt = 1 - stage if STAGES == 2 else 0
             if STAGES == 2 and n_next < n_end:
-                load_k_tile(k_tiles, nxt * BLOCK_N, k, b, n_next, h, seqlen_k)
-                load_k_tile(v_tiles, nxt * BLOCK_N, v, b, n_next, h, seqlen_k)
+                load_k_tile(k_tiles, nxt * BLOCK_N, k, b, n_next, h_kv, seqlen_k)
+                load_k_tile(v_tiles, nxt * BLOCK_N, v, b, n_next, h_kv, seqlen_k)
             commit_loads()
 
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse); dS = P (dP - D).
@@ -248,10 +274,11 @@ def _dq_kernel_function(config, spec, async_copy):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
                     key = tx + LANE_COLS * j
-                    p = probability(s[i, j], scale_log2, lse_i[i])
+                    score, dscore = score_and_grad(s[i, j], pre)
+                    p = probability(score, tile_scale, lse_i[i])
                     if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
-                    ds_tile[query, key] = grad_score(p, dp[i, j], delta_i[i])
+                    ds_tile[query, key] = grad_score(p, dp[i, j], delta_i[i]) * dscore
             syncwarp()  # why: the warp's dS rows complete before its lanes read them
 
             # Accumulate: dQ += dS K (scaled at the end).
@@ -259,8 +286,8 @@ def _dq_kernel_function(config, spec, async_copy):
             if STAGES == 1:
                 cuda.syncthreads()  # why: every read of the one stage done before reloading
                 if n_next < n_end:
-                    load_k_tile(k_tiles, 0, k, b, n_next, h, seqlen_k)
-                    load_k_tile(v_tiles, 0, v, b, n_next, h, seqlen_k)
+                    load_k_tile(k_tiles, 0, k, b, n_next, h_kv, seqlen_k)
+                    load_k_tile(v_tiles, 0, v, b, n_next, h_kv, seqlen_k)
                 commit_loads()
             stage = nxt
         wait_loads()  # (with no key tile, the copies of Q and dO are still in flight)
@@ -300,7 +327,7 @@ def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
     scale = np.float32(spec.softmax_scale)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "float", stream)
-    dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), nheads, batch)
+    dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), k.shape[2], batch)  # per k/v head
     launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, dk_dv_bytes,
            q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
     dq_grid = (-(-seqlen_q // config.dq_tiles[0]), nheads, batch)

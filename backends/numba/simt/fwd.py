@@ -21,7 +21,9 @@ Online softmax (device/softmax.py): per query row the running max `m_i` and runn
 when the max grows, `acc` and `l_i` are rescaled by exp(m_old - m_new). Scores are scaled by
 softmax_scale·log2(e) so that every exponential is one exp2. The output tile and the row
 log-sum-exp are written once, at the end. Key tiles wholly masked are never visited, and only
-partial tiles (device/block_range.py) apply the mask (device/mask.py).
+partial tiles (device/block_range.py) apply the mask (device/mask.py). A score mod
+(device/score_mod.py: softcap) replaces each score before the mask. With GQA the block reads
+the K and V of its query head's key/value head, h // group.
 """
 import functools
 
@@ -29,9 +31,10 @@ import numpy as np
 from numba import cuda, float32
 
 from ..device.block_range import make_block_range
-from ..device.constants import LOG2E, NEG_INF, ZERO
+from ..device.constants import LOG2E, NEG_INF, ONE, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
 from ..device.mask import make_mask
+from ..device.score_mod import make_score_mod
 from ..device.softmax import finalize, online_update, probability
 from ..gpu import SHARED_MEMORY_BYTES
 from ..launch import launch
@@ -64,6 +67,8 @@ def forward_kernel_function(config, spec, async_copy=False):
                                per_row_scale=True)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    SCORE_MOD, modified_score, _, PRE_FACTOR = make_score_mod(spec)
+    GROUP = spec.group
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
@@ -73,10 +78,14 @@ def forward_kernel_function(config, spec, async_copy=False):
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
         b = cuda.blockIdx.z
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
+        # with a score mod, S holds modified scores in log2 units: exponentials scale by one
+        tile_scale = ONE if SCORE_MOD else scale_log2
+        pre = scale_log2 * PRE_FACTOR
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -99,19 +108,23 @@ def forward_kernel_function(config, spec, async_copy=False):
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
         if n_begin < n_end:
-            load_kv_tile(k_tile, 0, k, b, n_begin, h, seqlen_k)
+            load_kv_tile(k_tile, 0, k, b, n_begin, h_kv, seqlen_k)
         commit_loads()
 
         for n0 in range(n_begin, n_end, BLOCK_N):
             wait_loads()
             cuda.syncthreads()  # why: K tile (and Q) complete; P·V of the last tile is done
             # Load: this tile's V, in flight while the scores and the softmax run.
-            load_kv_tile(v_tile, 0, v, b, n0, h, seqlen_k)
+            load_kv_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k)
             commit_loads()
 
-            # Scores: S = Q Kᵀ for this thread's register tile; -inf where the row does not
-            # see the key (partial tiles only).
+            # Scores: S = Q Kᵀ for this thread's register tile (through the score mod); -inf
+            # where the row does not see the key (partial tiles only).
             tile_scores(s, q_tile, k_tile, ty, tx)
+            if SCORE_MOD:
+                for i in range(TM):
+                    for j in range(TN):
+                        s[i, j] = modified_score(s[i, j], pre)
             if is_partial(m0, n0, seqlen_q, seqlen_k):
                 for i in range(TM):
                     for j in range(TN):
@@ -128,10 +141,10 @@ def forward_kernel_function(config, spec, async_copy=False):
                 row_max = max(row_max, shfl_xor(row_max, 1))
                 row_max = max(row_max, shfl_xor(row_max, 2))
                 row_max = max(row_max, shfl_xor(row_max, 4))
-                m_i[i], m_ref, alpha = online_update(m_i[i], row_max * scale_log2)
+                m_i[i], m_ref, alpha = online_update(m_i[i], row_max * tile_scale)
                 l_new = ZERO
                 for j in range(TN):
-                    p = probability(s[i, j], scale_log2, m_ref)
+                    p = probability(s[i, j], tile_scale, m_ref)
                     p_tile[ty + LANE_ROWS * i, tx + LANE_COLS * j] = p
                     l_new += p
                 l_i[i] = l_i[i] * alpha + l_new
@@ -142,7 +155,7 @@ def forward_kernel_function(config, spec, async_copy=False):
             cuda.syncthreads()  # why: V tile complete, P tile written; K tile reads are done
             # Load: the next K tile, in flight while P·V runs.
             if n0 + BLOCK_N < n_end:
-                load_kv_tile(k_tile, 0, k, b, n0 + BLOCK_N, h, seqlen_k)
+                load_kv_tile(k_tile, 0, k, b, n0 + BLOCK_N, h_kv, seqlen_k)
             commit_loads()
 
             # Accumulate: acc += P V.

@@ -1,0 +1,64 @@
+"""What is done with a score before the softmax: softcapping.
+
+Without a score mod the kernels keep raw scores S = Q Kᵀ and fold softmax_scale·log2(e) into
+each exponential (device/softmax.py), with one multiply per row max. A score mod needs the
+scaled score itself, so a kernel with one replaces each raw score s by `score(s, pre)`, the
+modified score already in log2 units, before the mask (which must leave -inf, and tanh would
+not), and then exponentiates with a scale of one. For softcap c the modified score is
+c·tanh(s·scale / c), in log2 units c·log2(e)·tanh(s·scale / c); the backward multiplies dS by
+its derivative with respect to s·scale, 1 - tanh(s·scale / c)².
+
+tanh is 1 - 2 / (2^(2·log2(e)·x) + 1): one ex2 and one division, exact to a few units in the
+last place of float32 in absolute terms (for |x| near 0 as everywhere; 2^(...) overflowing
+gives 1, flushing to 0 gives -1). libdevice's tanhf, with its two branches, took the float32
+head-dim-128 dK/dV kernel past 255 registers (a spill).
+"""
+import functools
+
+import numpy as np
+from numba import cuda
+
+from .constants import LOG2E, ONE
+from .intrinsics import exp2
+
+TWO = np.float32(2.0)
+
+
+@functools.lru_cache(maxsize=None)
+def make_score_mod(spec):
+    """(active, score, score_and_grad, pre_factor) for the spec (for_kernels()).
+
+    active: whether the spec has a score mod. In a kernel `pre = scale_log2 · pre_factor`
+    (scale_log2 = softmax_scale·log2(e), the kernels' argument). score(s, pre) -> the modified
+    score in log2 units; score_and_grad(s, pre) -> (that, its derivative with respect to the
+    scaled score). Without a score mod, score_and_grad(s, pre) is (s, 1) (the raw score,
+    which the exponential scales) and a kernel never calls score."""
+    if not spec.softcap:
+        return False, _raw, _raw_and_one, ONE
+    cap_log2 = np.float32(spec.softcap * float(LOG2E))
+    pre_factor = np.float32(2.0 / spec.softcap)  # scale_log2 · 2 / c = 2·log2(e)·scale / c
+
+    @cuda.jit(device=True, inline="always")
+    def tanh_of_scaled(s, pre):
+        return ONE - TWO / (exp2(s * pre) + ONE)
+
+    @cuda.jit(device=True, inline="always")
+    def score(s, pre):
+        return cap_log2 * tanh_of_scaled(s, pre)
+
+    @cuda.jit(device=True, inline="always")
+    def score_and_grad(s, pre):
+        t = tanh_of_scaled(s, pre)
+        return cap_log2 * t, ONE - t * t
+
+    return True, score, score_and_grad, pre_factor
+
+
+@cuda.jit(device=True, inline="always")
+def _raw(s, pre):
+    return s
+
+
+@cuda.jit(device=True, inline="always")
+def _raw_and_one(s, pre):
+    return s, ONE

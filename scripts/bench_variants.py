@@ -1,0 +1,155 @@
+"""The variants on one GPU, beside dense attention and the peers that take them.
+
+Rows (float16 unless --dtype, head dim 128, B·N = --tokens, causal unless said): multi-head
+attention with --heads heads (the reference row); GQA with --kv-heads key/value heads, beside
+torch SDPA with enable_gqa=True (flash, cudnn, efficient: those that take it); a sliding
+window of --window keys; softcap --softcap. TFLOP/s are counted over the visible (unmasked)
+pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips its masked
+tiles scores like dense attention; each row also gives its time against the causal MHA row
+and the share of causal MHA's visible pairs it has. Timing as scripts/bench.py (CUDA events,
+median, the implementations of a row taking turns).
+
+    python scripts/bench_variants.py [--seqlen 16384] [--passes fwd fwdbwd] [--warm-only]
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+import bench
+import harness
+
+
+def visible_pairs(seqlen_q, seqlen_k, causal, window):
+    """How many (query, key) pairs are unmasked (bottom-right aligned, as the API)."""
+    left, right = window
+    right = 0 if causal else right
+    diagonal = np.arange(seqlen_q) + (seqlen_k - seqlen_q)
+    first = np.zeros(seqlen_q) if left < 0 else np.maximum(0, diagonal - left)
+    last = (np.full(seqlen_q, seqlen_k - 1) if right < 0
+            else np.minimum(seqlen_k - 1, diagonal + right))
+    return float(np.maximum(0, last - first + 1).sum())
+
+
+def rows(args):
+    """(name, kv_heads, options, torch peers)"""
+    sdpa = ("flash", "cudnn", "efficient")
+    return [("mha causal", args.heads, dict(causal=True), sdpa),
+            (f"gqa {args.heads}/{args.kv_heads} causal", args.kv_heads, dict(causal=True), sdpa),
+            (f"window {args.window} causal", args.heads,
+             dict(causal=True, window_size=(args.window, 0)), ()),
+            (f"softcap {args.softcap:g} causal", args.heads,
+             dict(causal=True, softcap=args.softcap), ())]
+
+
+def runners(numba_flash, torch, inputs, options, passes, peers):
+    """{name: fn(i)} for numba and the torch peers of a row."""
+    def ours(i):
+        q, k, v, dout = inputs[i]
+        out, lse = numba_flash.forward(q, k, v, **options)
+        if passes == "fwdbwd":
+            numba_flash.backward(dout, q, k, v, out, lse, **options)
+    found = {"numba": ours}
+    if torch is None or not peers:
+        return found
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
+    gqa = views[0][0].shape[1] != views[0][1].shape[1]
+    for kind in peers:
+        def peer(i, kind=kind):
+            q, k, v, dout = views[i]
+            with sdpa_kernel(kinds[kind]):
+                if passes == "fwdbwd":
+                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=options.get("causal", False), enable_gqa=gqa)
+                if passes == "fwdbwd":
+                    out.backward(dout)
+        found[f"sdpa-{kind}"] = peer
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=16384, help="batch x seqlen")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--softcap", type=float, default=30.0)
+    parser.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"],
+                        choices=["fwd", "fwdbwd"])
+    parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="one call of each row (compiles the kernels), nothing timed")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    reason = harness.gpu_ready()
+    if reason:
+        print(f"bench_variants.py needs a CUDA GPU and CuPy ({reason})")
+        return 2
+    import cupy as cp
+
+    import numba_flash
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+        except ImportError:
+            print("torch not installed: SDPA peers left out")
+    batch = max(1, args.tokens // args.seqlen)
+    rng = np.random.default_rng(0)
+    timer = bench.Timer(cp)
+    results = []
+    print(f"{args.dtype} d{args.head_dim} B{batch} N{args.seqlen} H{args.heads}; TFLOP/s over "
+          f"visible pairs")
+    for passes in args.passes:
+        reference_ms = reference_pairs = None
+        for name, kv_heads, options, peers in rows(args):
+            inputs = []
+            for _ in range(1 if args.warm_only else 2):
+                q, k, v, dout = harness.random_inputs(cp, rng, batch, args.seqlen, args.seqlen,
+                                                      args.heads, args.head_dim, args.dtype)
+                k, v = (cp.ascontiguousarray(x[:, :, :kv_heads]) for x in (k, v))
+                inputs.append((q, k, v, dout))
+            fns = runners(numba_flash, torch, inputs, options, passes, peers)
+            ready = {}
+            for label, fn in fns.items():
+                try:
+                    fn(0)
+                    ready[label] = lambda i, fn=fn: fn(i % len(inputs))
+                except Exception as exc:  # a peer that does not take this case
+                    print(f"  {label}: skipped ({type(exc).__name__}: {str(exc)[:100]})")
+            if args.warm_only:
+                continue
+            times = timer(ready)
+            pairs = batch * args.heads * visible_pairs(args.seqlen, args.seqlen,
+                                                       options.get("causal", False),
+                                                       options.get("window_size", (-1, -1)))
+            work = 4.0 * args.head_dim * pairs * (3.5 if passes == "fwdbwd" else 1.0)
+            if reference_ms is None:
+                reference_ms, reference_pairs = times["numba"], pairs
+            row = {"passes": passes, "row": name, "visible_share": pairs / reference_pairs,
+                   "ms_over_mha_causal": times["numba"] / reference_ms}
+            for label, ms in times.items():
+                row[label] = ({"ms": ms, "tflops": work / ms / 1e9} if isinstance(ms, float)
+                              else {"error": repr(ms)[:120]})
+            results.append(row)
+            cells = "  ".join(f"{label} {value['tflops']:.1f}" for label, value in row.items()
+                              if isinstance(value, dict) and "tflops" in value)
+            print(f"{passes:6s} {name:22s} {cells}  | time / mha causal "
+                  f"{row['ms_over_mha_causal']:.3f}, visible pairs / mha causal "
+                  f"{row['visible_share']:.3f}", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

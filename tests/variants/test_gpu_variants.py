@@ -1,0 +1,101 @@
+"""The variants at real sizes on a CUDA GPU (`python -m pytest -m gpu`): every Numba engine and
+the cupy backend through the API, forward and backward, against float64 by the accuracy rule;
+GQA's dK/dV bitwise deterministic."""
+import pytest
+from error_rule import assert_within_rule
+
+import numba_flash
+from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.spec import make_spec
+from numba_flash.testing import plain16_backward, plain16_forward, round16
+
+pytestmark = pytest.mark.gpu
+
+# (name, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim), options)
+CASES = [
+    ("gqa4-causal", (2, 1000, 1000, 8, 2, 128), dict(causal=True)),
+    ("mqa-full-d64", (1, 777, 1500, 8, 1, 64), {}),
+    ("window-256-causal", (1, 2048, 2048, 4, 2, 64), dict(causal=True, window_size=(256, 0))),
+    ("window-both-sides", (1, 1500, 1300, 2, 2, 128), dict(window_size=(100, 40))),
+    ("softcap-gqa2", (1, 1024, 1024, 4, 2, 128), dict(softcap=30.0, causal=True)),
+    ("softcap-window-d256", (1, 600, 700, 2, 1, 256), dict(softcap=5.0, window_size=(64, 64))),
+    ("rows-see-no-key", (1, 1200, 300, 2, 1, 64), dict(causal=True, window_size=(10, -1))),
+]
+IDS = [case[0] for case in CASES]
+
+
+def _values(cp, rng, shape, dtype):
+    """float32 values q, k, v, dout representable in dtype."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim = shape
+    values = []
+    for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_kv), (seqlen_k, nheads_kv),
+                 (seqlen_q, nheads)):
+        x = cp.asarray(rng.standard_normal((batch, n, h, head_dim)), cp.float32)
+        values.append(x if dtype == "float32" else round16(cp, x, dtype))
+    return values
+
+
+def _as(values, dtype):
+    import cupy as cp
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        return [torch.from_dlpack(x).to(torch.bfloat16) for x in values]
+    return [x.astype(getattr(cp, dtype)) for x in values]
+
+
+def _host(x):
+    if type(x).__module__.startswith("torch"):
+        return x.detach().float().cpu().numpy()
+    return x.get()
+
+
+def _plain(cp, dtype):
+    if dtype in ("float16", "bfloat16"):
+        return (lambda *a: plain16_forward(cp, *a, dtype),
+                lambda *a: plain16_backward(cp, *a, dtype))
+    return (lambda *a: attention_forward(cp, *a, dtype),
+            lambda *a: attention_backward(cp, *a, dtype))
+
+
+@pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
+                                            ("numba", "float32"), ("numba-simt", "float16"),
+                                            ("cupy", "float16")])
+@pytest.mark.parametrize("name, shape, options", CASES, ids=IDS)
+def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
+    values = _values(cp, rng, shape, dtype)
+    q, k, v, dout = values
+    arrays = _as(values, dtype)
+    spec = make_spec(q, k, **options)
+    plain_forward, plain_backward = _plain(cp, dtype)
+    out, lse = numba_flash.forward(*arrays[:3], backend=backend, **options)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
+    base_out, base_lse = plain_forward(q, k, v, spec)
+    assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), "float32")
+
+    out_in = ref_out.astype(cp.float32) if dtype == "float32" else round16(cp, ref_out, dtype)
+    lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
+    out_arg, = _as([out_in], dtype)
+    lse_arg = lse_in
+    if dtype == "bfloat16":
+        import torch
+        lse_arg = torch.from_dlpack(lse_in)
+    grads = numba_flash.backward(arrays[3], *arrays[:3], out_arg, lse_arg, backend=backend,
+                                 **options)
+    assert [tuple(g.shape) for g in grads] == [q.shape, k.shape, v.shape]
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64")
+    bases = plain_backward(dout, q, k, v, out_in, lse_in, spec)
+    for grad_name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(grad_name, _host(got), base.get(), ref.get(), dtype)
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
+def test_gqa_gradients_are_bitwise_repeatable(cp, rng, backend):
+    """dK, dV sum a group's query heads in a fixed order (no atomics)."""
+    q, k, v, dout = _as(_values(cp, rng, (2, 1000, 1000, 8, 2, 64), "float16"), "float16")
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend=backend)
+    first = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
+    for _ in range(3):
+        again = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
+        for a, b in zip(first, again):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())

@@ -1,0 +1,31 @@
+"""Every variant through the tensor-core kernels (float16, bfloat16), forward and backward,
+in the simulator, through their launchers with one-warp tile configs (the simulator runs a
+Python thread per lane): fixed cases for each kind, then a sampled grid of their combinations
+(hypothesis, a fixed budget)."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mma_cases import run_backward, run_forward
+from variant_cases import FIXED, FIXED_IDS, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_options
+
+
+# (bfloat16 differs from float16 only in the conversions: one case of it here, more sampled)
+@pytest.mark.parametrize("name, shape, kv_heads, causal, options, dtype",
+                         [case + ("float16",) for case in FIXED]
+                         + [FIXED[4] + ("bfloat16",)],
+                         ids=FIXED_IDS + [FIXED_IDS[4] + "-bfloat16"])
+def test_tensor_core_kernels(rng, name, shape, kv_heads, causal, options, dtype):
+    run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **options)
+    run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **options)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**OPTIONS, dtype=st.sampled_from(["float16", "bfloat16"]))
+def test_tensor_core_kernels_on_sampled_combinations(seqlen_q, seqlen_k, group, causal, window,
+                                                     softcap, seed, dtype):
+    """(one batch and one key/value head: the simulated tensor cores are slow)"""
+    rng = np.random.default_rng(seed)
+    shape, kv_heads = (1, seqlen_q, seqlen_k, group, 16), 1
+    run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **spec_options(window, softcap))
+    run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **spec_options(window, softcap))
