@@ -10,10 +10,10 @@ a call of the same signature seen before (numba_flash/call_cache.py) or checks t
 resolves the backend for the spec and runs it.
 """
 from numba_flash import _arrays, _checks, call_cache, registry
-from numba_flash.spec import make_spec
+from numba_flash.spec import NO_WINDOW, make_spec
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
             backend="auto"):
     """Exact attention softmax(q kᵀ · softmax_scale) v, and the row log-sum-exp.
 
@@ -55,7 +55,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
              softcap=0.0, backend="auto"):
     """Gradients (dq, dk, dv) of forward's output, given dout = dLoss/dout.
 
@@ -83,7 +83,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, windo
     return tuple(_arrays.convert_like(g, q) for g in grads)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
               backend="auto"):
     """forward() without the log-sum-exp: just the attention output."""
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,

@@ -135,9 +135,11 @@ def resolve_softmax_scale(softmax_scale, head_dim):
     return scale
 
 
-def _build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap):
-    """dtype: a name, or an array's dtype object (numpy or torch)."""
+def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size, softcap):
+    """dtype: a name, or an array's dtype object (numpy or torch); nheads, nheads_kv: of q
+    and k, None where unknown (then no GQA: the array checks will say what is wrong)."""
     dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
+    group = 1 if nheads is None or nheads_kv is None else check_group(nheads, nheads_kv)
     check_causal(causal)
     # (a q without a valid head dim meets its error in the array checks, before any use)
     scale = resolve_softmax_scale(softmax_scale, max(head_dim, 1))
@@ -148,30 +150,37 @@ def _build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap):
 
 
 _SCALAR_TYPES = (float, int, type(None))
+#: window_size's default: no window (the API's functions share this object, so that the
+#: usual call skips the check of a pair)
+NO_WINDOW = (-1, -1)
 
 # Repeated calls make the same spec: built once per options (errors are raised, not cached).
 _cached_build = functools.lru_cache(maxsize=256)(_build)
 
 
-def _heads(x):
-    """x's number of heads, or None where x is no 4-D array (its checks will say so)."""
-    shape = getattr(x, "shape", None)
-    return int(shape[2]) if shape is not None and len(shape) == 4 else None
+def _plain_pair(window_size):
+    return (type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int)
 
 
-def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
               softcap=0.0):
     """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
     GQA) with these options; TypeError or ValueError naming the option that is wrong. The
     arrays' own checks (rank, dtype, shapes) are numba_flash._checks'; a q without a head dim
     gets its error there."""
     shape = getattr(q, "shape", None)
-    head_dim = int(shape[-1]) if shape is not None and len(shape) else 0
+    if shape is not None and len(shape) == 4:  # (the API's arrays: head dim and heads)
+        head_dim, nheads = int(shape[3]), shape[2]
+    else:
+        head_dim, nheads = (int(shape[-1]) if shape is not None and len(shape) else 0), None
+    k_shape = None if k is None else getattr(k, "shape", None)
+    nheads_kv = k_shape[2] if k_shape is not None and len(k_shape) == 4 else None
     dtype = getattr(q, "dtype", "")
-    heads = _heads(q), None if k is None else _heads(k)
-    group = 1 if None in heads else check_group(*heads)
     if (type(causal) is bool and type(softmax_scale) in _SCALAR_TYPES
-            and type(window_size) is tuple and all(type(side) is int for side in window_size)
-            and type(softcap) in _SCALAR_TYPES):
-        return _cached_build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap)
-    return _build(head_dim, dtype, group, causal, softmax_scale, window_size, softcap)
+            and type(softcap) in _SCALAR_TYPES
+            and (window_size is NO_WINDOW or _plain_pair(window_size))):
+        return _cached_build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale,
+                             window_size, softcap)
+    return _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size,
+                  softcap)

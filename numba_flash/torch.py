@@ -11,6 +11,7 @@ numba_flash.backward. CUDA tensors run on torch's current stream.
 import torch
 
 from numba_flash import api
+from numba_flash.spec import NO_WINDOW
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -30,7 +31,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
               backend="auto"):
     """Differentiable exact attention of torch tensors; see numba_flash.forward for the
     arguments (k and v may have fewer heads than q: GQA). Returns the output only (the

@@ -11,8 +11,9 @@ may have on the target, OPT_IN_SHARED_BYTES).
 
     python scripts/ptx_check.py --cc 80 90 [--variants]
 
---variants adds, per head dim and dtype, the kernels of a spec with every variant at once
-(GQA, a causal sliding window, softcap: the most registers a variant takes), named "variants".
+--variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
+once (GQA, a causal sliding window, softcap: the most registers a variant takes), named
+"variants".
 """
 import argparse
 import glob
@@ -86,11 +87,12 @@ VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4)
 
 
 def _specs(head_dim, dtype, variants):
-    """(tag word, spec): full, causal and, with variants, all of them at once."""
-    yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype)
-    yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True)
+    """(tag word, spec): full and causal, or with variants all of them at once."""
     if variants:
         yield "variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS)
+        return
+    yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype)
+    yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True)
 
 
 def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
@@ -192,7 +194,7 @@ def main(argv=None):
     parser.add_argument("--all-configs", action="store_true",
                         help="build the SIMT forward for every candidate config")
     parser.add_argument("--variants", action="store_true",
-                        help="also the kernels of a spec with every variant (VARIANTS)")
+                        help="instead, the kernels of a spec with every variant (VARIANTS)")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()

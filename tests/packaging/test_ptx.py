@@ -22,9 +22,12 @@ MMA_DTYPE = {80: "float16", 90: "bfloat16"}
 RUNS = [["--cc", "80", "--head-dims", "64", "128", "--dtypes", "float16", "float32",
          "--mma-dtypes", MMA_DTYPE[80]],
         ["--cc", "90", "--head-dims", "64", "128", "--dtypes", "float16", "float32",
-         "--mma-dtypes", MMA_DTYPE[90], "--variants"],
+         "--mma-dtypes", MMA_DTYPE[90]],
         ["--cc", "90", "--head-dims", "32", "256", "--dtypes", "float32", "bfloat16",
-         "--mma-dtypes", MMA_DTYPE[90]]]
+         "--mma-dtypes", MMA_DTYPE[90]],
+        # every variant at once, at the head dim and dtypes nearest the register limit
+        ["--cc", "90", "--head-dims", "128", "--dtypes", "float32", "--mma-dtypes",
+         MMA_DTYPE[90], "--variants"]]
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,12 @@ def test_every_kernel_compiled(reports):
 
 
 def test_the_variant_kernels_compiled(reports):
-    """GQA, a causal window and softcap at once (ptx_check.VARIANTS): the checks below hold
-    for them too."""
+    """GQA, a causal window and softcap at once (ptx_check.VARIANTS) at head dim 128, where
+    the dense kernels come nearest to 255 registers: the checks below hold for them too."""
     seen = {(r["kernel"], r["cc"]) for r in reports}
-    for head_dim in (64, 128):
-        for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
-            for dtype in ("float16", "float32_async"):
-                assert (f"{kind}_d{head_dim}_variants_{dtype}", 90) in seen
-            assert (f"mma_{kind}_d{head_dim}_variants_bf16", 90) in seen
+    for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
+        assert (f"{kind}_d128_variants_float32_async", 90) in seen
+        assert (f"mma_{kind}_d128_variants_bf16", 90) in seen
 
 
 def test_ptxas_accepted_every_kernel(reports):

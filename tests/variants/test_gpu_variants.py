@@ -50,7 +50,10 @@ def _host(x):
 
 
 def _plain(cp, dtype):
-    if dtype in ("float16", "bfloat16"):
+    """The plain same-precision implementation that sets the bound: standard attention in
+    CuPy in the dtype (float16, float32: the cupy backend's own computation, so it is checked
+    against itself within 2x), emulated in float32 for bfloat16, which CuPy lacks."""
+    if dtype == "bfloat16":
         return (lambda *a: plain16_forward(cp, *a, dtype),
                 lambda *a: plain16_backward(cp, *a, dtype))
     return (lambda *a: attention_forward(cp, *a, dtype),

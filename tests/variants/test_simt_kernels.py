@@ -15,7 +15,7 @@ def test_simt_kernels(rng, name, shape, kv_heads, causal, options, dtype, async_
     run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, batch=st.integers(1, 2), kv_heads=st.integers(1, 2),
        head_dim=st.sampled_from([4, 12, 24]),
        loads=st.sampled_from([("float32", True), ("float32", False), ("float16", False)]))

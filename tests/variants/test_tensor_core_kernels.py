@@ -7,20 +7,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mma_cases import run_backward, run_forward
-from variant_cases import FIXED, FIXED_IDS, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_options
+from variant_cases import FIXED, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_options
 
 
-# (bfloat16 differs from float16 only in the conversions: one case of it here, more sampled)
-@pytest.mark.parametrize("name, shape, kv_heads, causal, options, dtype",
-                         [case + ("float16",) for case in FIXED]
-                         + [FIXED[4] + ("bfloat16",)],
-                         ids=FIXED_IDS + [FIXED_IDS[4] + "-bfloat16"])
+# The fixed cases but the two of windows alone (wider than the sequence, left only), whose
+# rules are the shared device modules' and whose SIMT runs cover them, the simulated tensor
+# cores being slow; bfloat16 differs from float16 only in the conversions: one case here,
+# more sampled.
+MMA_CASES = [case + ("float16",) for case in FIXED if case[0] in (
+    "mqa-causal", "gqa2-window-within-a-tile", "rows-that-see-no-key", "gqa4-softcap-causal")]
+MMA_CASES.append(MMA_CASES[-1][:5] + ("bfloat16",))
+
+
+@pytest.mark.parametrize("name, shape, kv_heads, causal, options, dtype", MMA_CASES,
+                         ids=[f"{case[0]}-{case[5]}" for case in MMA_CASES])
 def test_tensor_core_kernels(rng, name, shape, kv_heads, causal, options, dtype):
     run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **options)
     run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **options)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_tensor_core_kernels_on_sampled_combinations(seqlen_q, seqlen_k, group, causal, window,
                                                      softcap, seed, dtype):
