@@ -264,12 +264,7 @@ def main(argv=None):
     import cupy as cp
 
     import numba_flash
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-        except ImportError:
-            print("torch not installed: SDPA peers left out")
+    torch = harness.optional_torch(args.no_torch)
     if torch is None and "bfloat16" in args.dtypes:
         print("bfloat16 left out: its inputs are torch tensors (CuPy has no bfloat16)")
         args.dtypes = [d for d in args.dtypes if d != "bfloat16"]

@@ -96,12 +96,7 @@ def main(argv=None):
     import cupy as cp
 
     import numba_flash
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-        except ImportError:
-            print("torch not installed: SDPA peers left out")
+    torch = harness.optional_torch(args.no_torch)
     batch = max(1, args.tokens // args.seqlen)
     rng = np.random.default_rng(0)
     timer = bench.Timer(cp)

@@ -1,4 +1,5 @@
-"""Helpers shared by scripts/verify.py and scripts/bench.py (not part of the package)."""
+"""Helpers shared by the scripts (verify.py, bench.py, bench_variants.py, ...; not part of the
+package)."""
 import os
 
 
@@ -14,6 +15,18 @@ def gpu_ready():
     except Exception as exc:  # CUDARuntimeError when there is no driver
         return f"no usable CUDA GPU ({exc.__class__.__name__})"
     return None
+
+
+def optional_torch(leave_out=False):
+    """torch for the SDPA peers, or None: left out (--no-torch), or not installed (said)."""
+    if leave_out:
+        return None
+    try:
+        import torch
+    except ImportError:
+        print("torch not installed: SDPA peers left out")
+        return None
+    return torch
 
 
 def use_simulator():
