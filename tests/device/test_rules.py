@@ -133,8 +133,9 @@ def test_causal_is_the_window_minus_one_zero(window):
        s=st.floats(-1e4, 1e4, allow_nan=False))
 def test_softcap_is_the_reference_score_mod_in_log2_units(softcap, scale, s):
     spec = AttentionSpec(16, "float32", softcap=softcap)
-    active, score, score_and_grad, pre_factor = make_score_mod(spec)
-    pre = np.float32(scale * float(LOG2E)) * pre_factor
+    active, score, score_and_grad, scales = make_score_mod(spec)
+    tile_scale, pre = scales(np.float32(scale * float(LOG2E)))
+    assert tile_scale == 1  # modified scores are in log2 units already
     want, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
     got = score(np.float32(s), pre) / float(LOG2E)
     got_too, grad = score_and_grad(np.float32(s), pre)
@@ -144,5 +145,6 @@ def test_softcap_is_the_reference_score_mod_in_log2_units(softcap, scale, s):
 
 
 def test_without_a_score_mod_the_raw_score_goes_on():
-    active, _, score_and_grad, _ = make_score_mod(AttentionSpec(16, "float32"))
+    active, _, score_and_grad, scales = make_score_mod(AttentionSpec(16, "float32"))
     assert active is False and score_and_grad(np.float32(3.5), np.float32(7)) == (3.5, 1)
+    assert scales(np.float32(0.25)) == (0.25, 1)  # raw scores: the exponential scales them

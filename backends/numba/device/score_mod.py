@@ -13,6 +13,7 @@ last place of float32 in absolute terms (for |x| near 0 as everywhere; 2^(...) o
 gives 1, flushing to 0 gives -1). libdevice's tanhf, with its two branches, took the float32
 head-dim-128 dK/dV kernel past 255 registers (a spill).
 """
+import collections
 import functools
 
 import numpy as np
@@ -24,19 +25,27 @@ from .intrinsics import exp2
 TWO = np.float32(2.0)
 
 
+ScoreMod = collections.namedtuple("ScoreMod", "active score score_and_grad scales")
+
+
 @functools.lru_cache(maxsize=None)
 def make_score_mod(spec):
-    """(active, score, score_and_grad, pre_factor) for the spec (for_kernels()).
+    """ScoreMod(active, score, score_and_grad, scales) for the spec (for_kernels()).
 
-    active: whether the spec has a score mod. In a kernel `pre = scale_log2 · pre_factor`
-    (scale_log2 = softmax_scale·log2(e), the kernels' argument). score(s, pre) -> the modified
-    score in log2 units; score_and_grad(s, pre) -> (that, its derivative with respect to the
-    scaled score). Without a score mod, score_and_grad(s, pre) is (s, 1) (the raw score,
-    which the exponential scales) and a kernel never calls score."""
+    active: whether the spec has a score mod. scales(scale_log2) -> (tile_scale, pre): what
+    the exponentials multiply scores by (scale_log2 = softmax_scale·log2(e), the kernels'
+    argument, for raw scores; one for modified ones) and the score mod's own factor.
+    score(s, pre) -> the modified score in log2 units; score_and_grad(s, pre) -> (that, its
+    derivative with respect to the scaled score). Without a score mod, score_and_grad(s, pre)
+    is (s, 1) (the raw score, which the exponential scales) and a kernel never calls score."""
     if not spec.softcap:
-        return False, _raw, _raw_and_one, ONE
+        return ScoreMod(False, _raw, _raw_and_one, _raw_scales)
     cap_log2 = np.float32(spec.softcap * float(LOG2E))
     pre_factor = np.float32(2.0 / spec.softcap)  # scale_log2 · 2 / c = 2·log2(e)·scale / c
+
+    @cuda.jit(device=True, inline="always")
+    def scales(scale_log2):
+        return ONE, scale_log2 * pre_factor
 
     @cuda.jit(device=True, inline="always")
     def tanh_of_scaled(s, pre):
@@ -51,7 +60,12 @@ def make_score_mod(spec):
         t = tanh_of_scaled(s, pre)
         return cap_log2 * t, ONE - t * t
 
-    return True, score, score_and_grad, pre_factor
+    return ScoreMod(True, score, score_and_grad, scales)
+
+
+@cuda.jit(device=True, inline="always")
+def _raw_scales(scale_log2):
+    return scale_log2, ONE
 
 
 @cuda.jit(device=True, inline="always")

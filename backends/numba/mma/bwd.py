@@ -75,7 +75,8 @@ def mma_dk_dv_kernel_function(config, spec):
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
-    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     GROUP = spec.group
 
     @cuda.jit(device=True, inline="always")
@@ -101,8 +102,7 @@ def mma_dk_dv_kernel_function(config, spec):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
 
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: K, V, Q, dO tiles
@@ -215,7 +215,8 @@ def mma_dq_kernel_function(config, spec):
     store = make_warp_store(spec.bf16, DB)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
-    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     GROUP = spec.group
 
     @cuda.jit(device=True, inline="always")
@@ -237,8 +238,7 @@ def mma_dq_kernel_function(config, spec):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8
         lse_lo = lse_log2(lse[b, h, row_lo]) if row_lo < seqlen_q else POS_INF

@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda, float32, uint16, uint32
 
 from ..device.block_range import make_block_range
-from ..device.constants import LOG2E, NEG_INF, ONE, ZERO
+from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
 from ..device.mask import make_mask
@@ -86,7 +86,9 @@ def mma_forward_kernel_function(config, spec):
             scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
-    SCORE_MOD, modified_score, _, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
+                                                  score_mod.scales)
     GROUP = spec.group
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2):
@@ -100,9 +102,7 @@ def mma_forward_kernel_function(config, spec):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        # with a score mod, S holds modified scores in log2 units: exponentials scale by one
-        tile_scale = ONE if SCORE_MOD else scale_log2
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).

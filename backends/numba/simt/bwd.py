@@ -70,7 +70,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
-    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     GROUP = spec.group
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
@@ -83,8 +84,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         k_tile = shared_tile(smem, 0, BLOCK_N, ROW, float32)
@@ -208,7 +208,8 @@ def _dq_kernel_function(config, spec, async_copy):
     REG_D = (TM, 4 * CHUNKS)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
-    SCORE_MOD, _, score_and_grad, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     GROUP = spec.group
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
@@ -222,8 +223,7 @@ def _dq_kernel_function(config, spec, async_copy):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        tile_scale = ONE if SCORE_MOD else scale_log2  # (score mods: in log2 units already)
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)

@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ..device.block_range import make_block_range
-from ..device.constants import LOG2E, NEG_INF, ONE, ZERO
+from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
@@ -67,7 +67,9 @@ def forward_kernel_function(config, spec, async_copy=False):
                                per_row_scale=True)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
-    SCORE_MOD, modified_score, _, PRE_FACTOR = make_score_mod(spec)
+    score_mod = make_score_mod(spec)
+    SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
+                                                  score_mod.scales)
     GROUP = spec.group
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
@@ -83,9 +85,7 @@ def forward_kernel_function(config, spec, async_copy=False):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         offset = seqlen_k - seqlen_q
-        # with a score mod, S holds modified scores in log2 units: exponentials scale by one
-        tile_scale = ONE if SCORE_MOD else scale_log2
-        pre = scale_log2 * PRE_FACTOR
+        tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
