@@ -6,6 +6,7 @@ matrices would not fit in the free device memory, saying how much they would nee
 """
 from numba_flash import _arrays
 from numba_flash.backends.base import Backend
+from numba_flash.extras import NO_EXTRAS
 from numba_flash.reference import attention_backward, attention_forward
 
 # Peak number of (batch, nheads, seqlen_q, seqlen_k) temporaries alive at once (scores, the
@@ -35,9 +36,13 @@ class CupyStandardBackend(Backend):
             return f"CuPy cannot reach a CUDA GPU ({exc})"
         return None
 
-    def score_bytes(self, q, k):
-        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
+    def score_bytes(self, spec, q, k):
+        """Bytes of the score temporaries (varlen: of the longest sequences, one at a time)."""
         itemsize = 8 if _arrays.dtype_name(q) == "float64" else 4
+        if spec.varlen:
+            return (SCORE_COPIES * int(q.shape[1]) * spec.max_seqlen_q * spec.max_seqlen_k
+                    * itemsize)
+        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
         return SCORE_COPIES * batch * nheads * seqlen_q * int(k.shape[1]) * itemsize
 
     def supports(self, spec, q, k, v):
@@ -48,7 +53,7 @@ class CupyStandardBackend(Backend):
             return "it runs on the GPU and takes device arrays (CuPy, torch, Numba) only"
         if _arrays.dtype_name(q) not in self.dtypes:
             return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
-        need = self.score_bytes(q, k)
+        need = self.score_bytes(spec, q, k)
         free = _cupy().cuda.Device(_arrays.device_id(q)).mem_info[0]
         if need > free:
             return (f"standard attention would need {need / 2**30:.1f} GiB for the "
@@ -58,18 +63,22 @@ class CupyStandardBackend(Backend):
     def _compute_dtype(self, q):
         return "float64" if _arrays.dtype_name(q) == "float64" else _arrays.dtype_name(q)
 
-    def forward(self, spec, q, k, v):
+    def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
             q, k, v = (cupy.asarray(_arrays.detached(x)) for x in (q, k, v))
-            out, lse = attention_forward(cupy, q, k, v, spec, dtype)
+            out, lse = attention_forward(cupy, q, k, v, spec, dtype, _on_gpu(cupy, extras))
             return cupy.ascontiguousarray(out), lse.astype(cupy.float32)
 
-    def backward(self, spec, dout, q, k, v, out, lse):
+    def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         cupy = _cupy()
         dtype = self._compute_dtype(q)
         with cupy.cuda.Device(_arrays.device_id(q)):
             arrays = [cupy.asarray(_arrays.detached(x)) for x in (dout, q, k, v, out, lse)]
-            grads = attention_backward(cupy, *arrays, spec, dtype)
+            grads = attention_backward(cupy, *arrays, spec, dtype, _on_gpu(cupy, extras))
             return tuple(cupy.ascontiguousarray(g) for g in grads)
+
+
+def _on_gpu(cupy, extras):
+    return extras.with_arrays([cupy.asarray(_arrays.detached(x)) for x in extras.arrays()])

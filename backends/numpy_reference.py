@@ -8,6 +8,7 @@ import numpy as np
 
 from numba_flash import _arrays
 from numba_flash.backends.base import Backend
+from numba_flash.extras import NO_EXTRAS
 from numba_flash.reference import attention_backward, attention_forward
 
 
@@ -22,12 +23,16 @@ class NumpyReferenceBackend(Backend):
             return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
         return None
 
-    def forward(self, spec, q, k, v):
+    def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         arrays = [_arrays.as_numpy(x) for x in (q, k, v)]
-        out, lse = attention_forward(np, *arrays, spec, np.float64)
+        out, lse = attention_forward(np, *arrays, spec, np.float64, _host(extras))
         return _arrays.host_like(out, q), _arrays.host_like(lse, q, "float32")
 
-    def backward(self, spec, dout, q, k, v, out, lse):
+    def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         arrays = [_arrays.as_numpy(x) for x in (dout, q, k, v, out, lse)]
-        grads = attention_backward(np, *arrays, spec, np.float64)
+        grads = attention_backward(np, *arrays, spec, np.float64, _host(extras))
         return tuple(_arrays.host_like(g, x) for g, x in zip(grads, (q, k, v)))
+
+
+def _host(extras):
+    return extras.with_arrays([_arrays.as_numpy(x) for x in extras.arrays()])

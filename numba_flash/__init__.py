@@ -6,7 +6,7 @@
 Importing this package imports neither Numba's CUDA target, CuPy nor torch; backends are
 loaded the first time they are used.
 """
-from numba_flash.api import attention, backward, forward
+from numba_flash.api import attention, backward, backward_varlen, forward, forward_varlen
 from numba_flash.registry import (
     available_backends,
     get_backend,
@@ -21,6 +21,8 @@ __all__ = [
     "forward",
     "backward",
     "attention",
+    "forward_varlen",
+    "backward_varlen",
     "list_backends",
     "available_backends",
     "get_backend",

@@ -106,6 +106,27 @@ def empty_like_kind(ref, shape, dtype):
     return cuda.device_array(shape, name)
 
 
+class _InterfaceView:
+    """Another shape of an array with __cuda_array_interface__, over the same memory."""
+
+    def __init__(self, base, shape, strides):
+        interface = dict(base.__cuda_array_interface__)
+        interface.update(shape=shape, strides=strides)
+        self.__cuda_array_interface__, self.base = interface, base
+        self.shape, self.dtype = shape, np.dtype(interface["typestr"])
+
+
+def with_batch_axis(x):
+    """x with a leading axis of one (a view: the same memory), for any array we know."""
+    if array_kind(x) != CUDA:
+        return x[None]
+    interface = x.__cuda_array_interface__
+    shape, itemsize = tuple(interface["shape"]), np.dtype(interface["typestr"]).itemsize
+    strides = interface.get("strides") or tuple(
+        int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+    return _InterfaceView(x, (1,) + shape, (0,) + tuple(strides))
+
+
 def caller_stream_handle(x):
     """The caller's current stream for this array, as __cuda_array_interface__ encodes streams:
     a cudaStream_t, or 1 / None for the legacy default stream, 2 for the per-thread one."""

@@ -1,6 +1,9 @@
 """Array checks for the public API (the options are numba_flash.spec's). Each raises one clear
 error before any kernel launch."""
+import numpy as np
+
 from . import _arrays
+from .extras import host_values
 from .spec import check_group
 
 MAX_HEAD_DIM = 256
@@ -8,7 +11,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _shape_str(x):
-    return "(" + ", ".join(str(int(s)) for s in x.shape) + ")"
+    return str(tuple(int(s) for s in x.shape))
 
 
 def check_array(name, x):
@@ -20,32 +23,35 @@ def check_array(name, x):
     return kind
 
 
-def check_qkv(q, k, v):
+def check_qkv(q, k, v, varlen=False):
     """Check q, k, v shapes and dtypes (k and v may have fewer heads than q: GQA); return
-    (batch, seqlen_q, seqlen_k, nheads, headdim), nheads q's."""
+    (batch, seqlen_q, seqlen_k, nheads, headdim), nheads q's. varlen: packed (total, nheads,
+    headdim) arrays, whose batch (None here) and lengths the cu_seqlens say."""
     kinds = {name: check_array(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    layout = "3-D (total, nheads, headdim)" if varlen else "4-D (batch, seqlen, nheads, headdim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, seqlen, nheads, headdim); got shape {_shape_str(x)}")
-    batch, seqlen_q, nheads, headdim = (int(s) for s in q.shape)
-    seqlen_k = int(k.shape[1])
+        if len(x.shape) != (3 if varlen else 4):
+            raise ValueError(f"{name} must be {layout}; got shape {_shape_str(x)}")
+    seqlen_q, nheads, headdim = (int(s) for s in q.shape[-3:])
+    batch = None if varlen else int(q.shape[0])
+    seqlen_k = int(k.shape[-3])
     for name, x in (("k", k), ("v", v)):
-        if int(x.shape[0]) != batch:
+        if not varlen and int(x.shape[0]) != batch:
             raise ValueError(f"batch size mismatch: q has {batch}, {name} has {int(x.shape[0])}")
-        if int(x.shape[3]) != headdim:
-            raise ValueError(f"headdim mismatch: q has {headdim}, {name} has {int(x.shape[3])}")
-    nheads_kv = int(k.shape[2])
-    if int(v.shape[2]) != nheads_kv:
-        raise ValueError(f"nheads mismatch: k has {nheads_kv}, v has {int(v.shape[2])}")
+        if int(x.shape[-1]) != headdim:
+            raise ValueError(f"headdim mismatch: q has {headdim}, {name} has {int(x.shape[-1])}")
+    nheads_kv = int(k.shape[-2])
+    if int(v.shape[-2]) != nheads_kv:
+        raise ValueError(f"nheads mismatch: k has {nheads_kv}, v has {int(v.shape[-2])}")
     check_group(nheads, nheads_kv)
-    if int(v.shape[1]) != seqlen_k:
-        raise ValueError(f"seqlen mismatch: k has {seqlen_k} keys, v has {int(v.shape[1])}")
-    if batch < 1 or nheads < 1:
+    if int(v.shape[-3]) != seqlen_k:
+        raise ValueError(f"seqlen mismatch: k has {seqlen_k} keys, v has {int(v.shape[-3])}")
+    if (not varlen and batch < 1) or nheads < 1:
         raise ValueError(f"batch and nheads must be >= 1; got q shape {_shape_str(q)}")
     if seqlen_q < 1 or seqlen_k < 1:
-        raise ValueError(
-            f"seqlen must be >= 1; got seqlen_q={seqlen_q} (q), seqlen_k={seqlen_k} (k, v)")
+        what = "the total of tokens" if varlen else "seqlen"
+        raise ValueError(f"{what} must be >= 1; got seqlen_q={seqlen_q} (q), "
+                         f"seqlen_k={seqlen_k} (k, v)")
     if not 1 <= headdim <= MAX_HEAD_DIM:
         raise ValueError(f"headdim must be in 1..{MAX_HEAD_DIM}; got {headdim}")
     dtypes = {name: _arrays.dtype_name(x) for name, x in (("q", q), ("k", k), ("v", v))}
@@ -73,8 +79,30 @@ def check_same_place(arrays, kinds=None):
             raise ValueError(f"all arrays must be on the same GPU; got {where}")
 
 
-def check_backward_args(dout, q, k, v, out, lse):
-    batch, seqlen_q, seqlen_k, nheads, headdim = check_qkv(q, k, v)
+def check_extras(spec, q, k, v, extras):
+    """The call's arrays besides q, k, v (numba_flash.extras): ALiBi slopes of q's batch and
+    heads; for varlen, cu_seqlens that agree with q, k and max_seqlen (their values are read:
+    this check runs on every varlen call). Returns the batch size."""
+    if spec.varlen:
+        batch = check_cu_seqlens("cu_seqlens_q", extras.cu_seqlens_q, int(q.shape[0]),
+                                 spec.max_seqlen_q, "max_seqlen_q")
+        batch_k = check_cu_seqlens("cu_seqlens_k", extras.cu_seqlens_k, int(k.shape[0]),
+                                   spec.max_seqlen_k, "max_seqlen_k")
+        if batch_k != batch:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
+                             f"+ 1); got {batch + 1} and {batch_k + 1}")
+    else:
+        batch = int(q.shape[0])
+    if spec.alibi:
+        check_alibi_slopes(extras.alibi_slopes, batch, int(q.shape[-2]))
+    named = {"q": q, **{name: x for name, x in zip(extras._fields, extras) if x is not None}}
+    if len(named) > 1:
+        check_same_place(named)
+    return batch
+
+
+def check_backward_args(dout, q, k, v, out, lse, varlen=False):
+    batch, seqlen_q, seqlen_k, nheads, headdim = check_qkv(q, k, v, varlen)
     for name, x in (("dout", dout), ("out", out)):
         check_array(name, x)
         if tuple(int(s) for s in x.shape) != tuple(int(s) for s in q.shape):
@@ -83,12 +111,54 @@ def check_backward_args(dout, q, k, v, out, lse):
             raise TypeError(f"{name} must have q's dtype {_arrays.dtype_name(q)}; "
                             f"got {_arrays.dtype_name(x)}")
     check_array("lse", lse)
-    want = (batch, nheads, seqlen_q)
+    want, names = ((nheads, seqlen_q), "(nheads, total_q)") if varlen else (
+        (batch, nheads, seqlen_q), "(batch, nheads, seqlen_q)")
     if tuple(int(s) for s in lse.shape) != want:
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {want}; "
-                         f"got {_shape_str(lse)}")
+        raise ValueError(f"lse must have shape {names} = {want}; got {_shape_str(lse)}")
     if _arrays.dtype_name(lse) != "float32":
         raise TypeError(f"lse must be float32 (as returned by forward); "
                         f"got {_arrays.dtype_name(lse)}")
     check_same_place({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     return batch, seqlen_q, seqlen_k, nheads, headdim
+
+
+def check_alibi_slopes(alibi_slopes, batch, nheads):
+    """float32, of shape (nheads,) or (batch, nheads)."""
+    if _arrays.array_kind(alibi_slopes) is None:
+        raise TypeError(f"alibi_slopes must be an array (float32, (nheads,) or (batch, nheads)); "
+                        f"got {type(alibi_slopes).__name__}")
+    shape = tuple(int(s) for s in alibi_slopes.shape)
+    if shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, "
+                         f"nheads) = ({batch}, {nheads}); got {_shape_str(alibi_slopes)}")
+    if _arrays.dtype_name(alibi_slopes) != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {_arrays.dtype_name(alibi_slopes)}")
+
+
+def check_cu_seqlens(name, cu_seqlens, total, max_seqlen, max_name):
+    """int32 (batch + 1,) offsets: 0 first, non-decreasing, `total` last, no sequence longer
+    than max_seqlen. Returns the batch size. Reads the values (on the host)."""
+    if _arrays.array_kind(cu_seqlens) is None:
+        raise TypeError(f"{name} must be an int32 array of shape (batch + 1,); got "
+                        f"{type(cu_seqlens).__name__}")
+    if _arrays.dtype_name(cu_seqlens) != "int32":
+        raise TypeError(f"{name} must be int32; got {_arrays.dtype_name(cu_seqlens)}")
+    if len(cu_seqlens.shape) != 1 or int(cu_seqlens.shape[0]) < 2:
+        raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1; got "
+                         f"{_shape_str(cu_seqlens)}")
+    values = host_values(cu_seqlens).astype(np.int64)
+    lengths = np.diff(values)
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {int(values[0])}")
+    if (lengths < 0).any():
+        at = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing; got {int(values[at])} then "
+                         f"{int(values[at + 1])} at positions {at}, {at + 1}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the total number of tokens, {total}; got "
+                         f"{int(values[-1])}")
+    longest = int(lengths.max())
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is less than the longest sequence in "
+                         f"{name}, {longest}")
+    return len(values) - 1

@@ -1,20 +1,24 @@
-"""The public functions: forward, backward and attention.
+"""The public functions: forward, backward, attention, and forward_varlen, backward_varlen
+for packed sequences.
 
 Shapes (flash-attn's layout):
     q, out, dout, dq : (batch, seqlen_q, nheads, headdim)
     k, v, dk, dv     : (batch, seqlen_k, nheads_kv, headdim), nheads a multiple of nheads_kv
     lse              : (batch, nheads, seqlen_q), float32, natural log
+varlen: q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim), lse (nheads,
+total_q); int32 cu_seqlens_q, cu_seqlens_k (batch + 1,) give each sequence's first token.
 
 Each call builds its AttentionSpec (numba_flash/spec.py) from its options, then either replays
 a call of the same signature seen before (numba_flash/call_cache.py) or checks the arrays,
 resolves the backend for the spec and runs it.
 """
 from numba_flash import _arrays, _checks, call_cache, registry
+from numba_flash.extras import NO_EXTRAS, Extras
 from numba_flash.spec import NO_WINDOW, make_spec
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-            backend="auto"):
+            alibi_slopes=None, backend="auto"):
     """Exact attention softmax(q kᵀ · softmax_scale) v, and the row log-sum-exp.
 
     Args:
@@ -31,60 +35,120 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
             right; -1 leaves a side unbounded. Key tiles out of every query's window are
             skipped.
         softcap: > 0 caps the scaled scores s smoothly: softcap · tanh(s / softcap).
+        alibi_slopes: float32 (nheads,) or (batch, nheads): adds -slope · |i + seqlen_k -
+            seqlen_q - j| to the (softcapped) scaled score of query i and key j.
         backend: a registered name (see list_backends()) or "auto".
 
     Returns:
         (out, lse): out like q (same library, device and dtype); lse float32
         (batch, nheads, seqlen_q) with lse[b, h, i] = log(sum_j exp(score_ij)) over the keys
-        query i sees, score_ij = softmax_scale · q_i · k_j (softcapped if asked).
+        query i sees, score_ij = softmax_scale · q_i · k_j (softcapped, with ALiBi, if asked).
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap)
-    key = call_cache.signature("forward", backend, spec, (q, k, v))
-    replay = call_cache.get(key)
-    if replay is None:
-        _checks.check_qkv(q, k, v)
-        impl = registry.resolve(backend, spec, q, k, v)
-        if key is None:
-            out, lse = impl.forward(spec, q, k, v)
-        else:
-            (out, lse), replay = impl.forward_and_replay(spec, q, k, v)
-            call_cache.put(key, replay)
-    else:
-        out, lse = replay(q, k, v)
-    return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
+                     softcap=softcap, alibi=alibi_slopes is not None)
+    extras = NO_EXTRAS if alibi_slopes is None else Extras(alibi_slopes)
+    return _forward(spec, extras, backend, q, k, v)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-             softcap=0.0, backend="auto"):
+             softcap=0.0, alibi_slopes=None, backend="auto"):
     """Gradients (dq, dk, dv) of forward's output, given dout = dLoss/dout.
 
     `out` and `lse` are what forward returned for the same q, k, v and options (causal,
-    softmax_scale, window_size, softcap); the score tiles are recomputed from q, k and lse,
-    nothing of size seqlen_q x seqlen_k is stored. dq, dk, dv have the shapes and dtype of q,
-    k, v (with grouped-query attention dk and dv sum over each group's query heads, without
-    atomics: deterministic). Rows that saw no key get zero gradients.
+    softmax_scale, window_size, softcap, alibi_slopes); the score tiles are recomputed from q,
+    k and lse, nothing of size seqlen_q x seqlen_k is stored. dq, dk, dv have the shapes and
+    dtype of q, k, v (with grouped-query attention dk and dv sum over each group's query
+    heads, without atomics: deterministic). Rows that saw no key get zero gradients.
     """
-    arrays = (dout, q, k, v, out, lse)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap)
+                     softcap=softcap, alibi=alibi_slopes is not None)
+    extras = NO_EXTRAS if alibi_slopes is None else Extras(alibi_slopes)
+    return _backward(spec, extras, backend, dout, q, k, v, out, lse)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
+              alibi_slopes=None, backend="auto"):
+    """forward() without the log-sum-exp: just the attention output."""
+    return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)[0]
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
+                   alibi_slopes=None, backend="auto"):
+    """forward() on packed sequences of different lengths (flash-attn's varlen convention).
+
+    q: (total_q, nheads, headdim), the batch's sequences one after another; k, v: (total_k,
+    nheads_kv, headdim). cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), sequence b's queries
+    are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] (0 first, the total last, non-decreasing), its
+    keys likewise. max_seqlen_q, max_seqlen_k: ints at least the longest sequence's length.
+    Each sequence attends within itself, with the options' meaning for its own seqlen_q and
+    seqlen_k (causal and windows aligned to its bottom-right corner); alibi_slopes (nheads,)
+    or (batch, nheads). No work is done for tokens of other sequences or for padding.
+
+    Returns (out, lse): out like q; lse float32 (nheads, total_q). The cu_seqlens are checked
+    on every call (their values are read: one small copy from the GPU).
+    """
+    spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                     softcap=softcap, alibi=alibi_slopes is not None,
+                     max_seqlens=(max_seqlen_q, max_seqlen_k))
+    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    _checks.check_qkv(q, k, v, varlen=True)
+    _checks.check_extras(spec, q, k, v, extras)
+    return _forward(spec, extras, backend, q, k, v)
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
+                    softcap=0.0, alibi_slopes=None, backend="auto"):
+    """Gradients (dq, dk, dv) of forward_varlen's output, given dout (q's shape); out and
+    lse (nheads, total_q) are what forward_varlen returned for the same arguments."""
+    spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                     softcap=softcap, alibi=alibi_slopes is not None,
+                     max_seqlens=(max_seqlen_q, max_seqlen_k))
+    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    _checks.check_backward_args(dout, q, k, v, out, lse, varlen=True)
+    _checks.check_extras(spec, q, k, v, extras)
+    return _backward(spec, extras, backend, dout, q, k, v, out, lse)
+
+
+def _forward(spec, extras, backend, q, k, v):
+    """A forward call: its replay if its signature was seen, else the checks, the backend
+    and (for a cached signature) a new replay."""
+    arrays = (q, k, v, *extras.arrays())
+    key = call_cache.signature("forward", backend, spec, arrays)
+    replay = call_cache.get(key)
+    if replay is None:
+        if not spec.varlen:  # (varlen's checks run on every call: they read cu_seqlens)
+            _checks.check_qkv(q, k, v)
+            if extras is not NO_EXTRAS:
+                _checks.check_extras(spec, q, k, v, extras)
+        impl = registry.resolve(backend, spec, q, k, v)
+        if key is None:
+            out, lse = impl.forward(spec, q, k, v, extras)
+        else:
+            (out, lse), replay = impl.forward_and_replay(spec, q, k, v, extras)
+            call_cache.put(key, replay)
+    else:
+        out, lse = replay(*arrays)
+    return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
+
+
+def _backward(spec, extras, backend, dout, q, k, v, out, lse):
+    arrays = (dout, q, k, v, out, lse, *extras.arrays())
     key = call_cache.signature("backward", backend, spec, arrays)
     replay = call_cache.get(key)
     if replay is None:
-        _checks.check_backward_args(*arrays)
+        if not spec.varlen:
+            _checks.check_backward_args(dout, q, k, v, out, lse)
+            if extras is not NO_EXTRAS:
+                _checks.check_extras(spec, q, k, v, extras)
         impl = registry.resolve(backend, spec, q, k, v)
         if key is None:
-            grads = impl.backward(spec, *arrays)
+            grads = impl.backward(spec, dout, q, k, v, out, lse, extras)
         else:
-            grads, replay = impl.backward_and_replay(spec, *arrays)
+            grads, replay = impl.backward_and_replay(spec, dout, q, k, v, out, lse, extras)
             call_cache.put(key, replay)
     else:
         grads = replay(*arrays)
     return tuple(_arrays.convert_like(g, q) for g in grads)
-
-
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-              backend="auto"):
-    """forward() without the log-sum-exp: just the attention output."""
-    return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, backend=backend)[0]

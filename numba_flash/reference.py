@@ -8,9 +8,15 @@ avoids. `spec` is the call's numba_flash.spec.AttentionSpec. Layout of q, k, v, 
 (batch, seqlen, nheads, headdim), k and v with nheads / spec.group heads; lse: (batch, nheads,
 seqlen_q).
 
-Per score, in this order: scale, softcap (s -> softcap · tanh(s / softcap)), then the mask
-(causal and window: -inf where the query does not see the key).
+Per score, in this order: scale, softcap (s -> softcap · tanh(s / softcap)), ALiBi (plus
+-slope · |i + seqlen_k - seqlen_q - j|), then the mask (causal and window: -inf where the
+query does not see the key). The call's arrays besides q, k, v come as a
+numba_flash.extras.Extras. varlen (packed sequences, q (total_q, nheads, headdim), lse
+(nheads, total_q)) is the same attention on each sequence alone (`per_sequence`).
 """
+import dataclasses
+
+from numba_flash.extras import NO_EXTRAS
 
 
 def visible(xp, spec, seqlen_q, seqlen_k):
@@ -55,25 +61,39 @@ def score_mod(xp, s, spec):
     return cap * t, 1 - t * t
 
 
+def alibi_bias(xp, alibi_slopes, seqlen_q, seqlen_k, dtype):
+    """(batch or 1, nheads, seqlen_q, seqlen_k): -slope · |i + seqlen_k - seqlen_q - j|."""
+    slopes = xp.asarray(alibi_slopes).astype(dtype)
+    slopes = slopes.reshape((-1 if slopes.ndim == 2 else 1, slopes.shape[-1], 1, 1))
+    i = xp.arange(seqlen_q)[:, None]
+    j = xp.arange(seqlen_k)[None, :]
+    return -slopes * xp.abs(i + (seqlen_k - seqlen_q) - j).astype(dtype)
+
+
 def _to_heads(xp, x, dtype):
     """(B, N, H, D) -> (B, H, N, D) in dtype."""
     return xp.asarray(x).astype(dtype).transpose(0, 2, 1, 3)
 
 
-def _scores(xp, q, k, spec, dtype):
+def _scores(xp, q, k, spec, dtype, extras):
     """(scores with -inf where masked, the score mod's derivative or None), (B, H, Nq, Nk)."""
     k = expand_kv(xp, k, spec.group)
     s = (_to_heads(xp, q, dtype) @ _to_heads(xp, k, dtype).transpose(0, 1, 3, 2))
     s, ds_dscaled = score_mod(xp, s * xp.asarray(spec.softmax_scale, dtype=dtype), spec)
+    if spec.alibi:
+        s = s + alibi_bias(xp, extras.alibi_slopes, q.shape[1], k.shape[1], dtype)
     mask = visible(xp, spec, q.shape[1], k.shape[1])
     if mask is not None:  # the keys a query does not see score -inf
         s = xp.where(mask, s, xp.asarray(-xp.inf, dtype))
     return s, ds_dscaled
 
 
-def attention_forward(xp, q, k, v, spec, dtype):
+def attention_forward(xp, q, k, v, spec, dtype, extras=NO_EXTRAS):
     """Return (out, lse) computed in `dtype`. A row that sees no key gets out 0 and lse -inf."""
-    s, _ = _scores(xp, q, k, spec, dtype)
+    if spec.varlen:
+        return per_sequence(xp, attention_forward, spec, extras, dtype, (q, k, v), (0, 1, 1),
+                            (0, None))
+    s, _ = _scores(xp, q, k, spec, dtype, extras)
     zero = xp.asarray(0, dtype)
     m = s.max(axis=-1, keepdims=True)
     m_safe = xp.where(xp.isneginf(m), zero, m)
@@ -87,9 +107,12 @@ def attention_forward(xp, q, k, v, spec, dtype):
     return out.transpose(0, 2, 1, 3), lse
 
 
-def attention_backward(xp, dout, q, k, v, out, lse, spec, dtype):
+def attention_backward(xp, dout, q, k, v, out, lse, spec, dtype, extras=NO_EXTRAS):
     """Analytic gradients (dq, dk, dv) in `dtype`, with P recomputed from the saved lse."""
-    s, ds_dscaled = _scores(xp, q, k, spec, dtype)
+    if spec.varlen:
+        return per_sequence(xp, attention_backward, spec, extras, dtype,
+                            (dout, q, k, v, out, lse), (0, 0, 1, 1, 0, 0), (0, 1, 1))
+    s, ds_dscaled = _scores(xp, q, k, spec, dtype, extras)
     lse = xp.asarray(lse).astype(dtype)[..., None]
     lse_safe = xp.where(xp.isneginf(lse), xp.asarray(xp.inf, dtype), lse)  # no key seen: P = 0
     p = xp.exp(s - lse_safe)
@@ -105,3 +128,52 @@ def attention_backward(xp, dout, q, k, v, out, lse, spec, dtype):
     dk = (ds.transpose(0, 1, 3, 2) @ qh) * scale
     dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     return dq, reduce_kv(xp, dk, spec.group), reduce_kv(xp, dv, spec.group)
+
+
+def dense_spec(spec):
+    """The spec of one sequence of a varlen call."""
+    return dataclasses.replace(spec, varlen=False, max_seqlen_q=None, max_seqlen_k=None)
+
+
+def per_sequence(xp, function, spec, extras, dtype, arrays, sides, result_sides):
+    """`function` (attention_forward or _backward, or a function of their signature) on each
+    sequence of a varlen call, its results packed again.
+
+    arrays: the call's packed arrays, (total, nheads, headdim) but lse (nheads, total_q);
+    sides: for each, 0 if it runs along the queries, 1 along the keys; result_sides: the same
+    for the results, None for an lse. A sequence without keys gets zeros (lse -inf)."""
+    from numba_flash.extras import host_values
+    bounds = [host_values(extras.cu_seqlens_q), host_values(extras.cu_seqlens_k)]
+    one = dense_spec(spec)
+    slopes = extras.alibi_slopes
+    results = None
+    for b in range(len(bounds[0]) - 1):
+        ranges = [(int(c[b]), int(c[b + 1])) for c in bounds]
+        parts = [x[:, slice(*ranges[0])][None] if x.ndim == 2 else x[slice(*ranges[side])][None]
+                 for x, side in zip(arrays, sides)]
+        if slopes is not None:
+            part_extras = extras._replace(alibi_slopes=slopes[b] if slopes.ndim == 2 else slopes)
+        else:
+            part_extras = extras
+        if results is None:
+            results = [_packed_like(xp, arrays, sides, side, dtype) for side in result_sides]
+        if ranges[0][0] == ranges[0][1]:
+            continue
+        if ranges[1][0] == ranges[1][1]:  # no key: out and gradients 0, lse -inf
+            continue
+        for result, side, part in zip(results, result_sides, function(
+                xp, *parts, one, dtype, part_extras)):
+            if side is None:
+                result[:, slice(*ranges[0])] = part[0]
+            else:
+                result[slice(*ranges[side])] = part[0]
+    return tuple(results)
+
+
+def _packed_like(xp, arrays, sides, side, dtype):
+    """A packed result along side 0 or 1 (None: an lse), zeros (lse: -inf)."""
+    if side is None:
+        q = arrays[list(sides).index(0)]
+        return xp.full((q.shape[1], q.shape[0]), -xp.inf, dtype)
+    x = arrays[list(sides).index(side)]
+    return xp.zeros(x.shape, dtype)

@@ -36,6 +36,13 @@ class AttentionSpec:
     softcap: > 0 replaces the scaled score s by softcap · tanh(s / softcap); 0 leaves it.
     group: query heads per key/value head (GQA; 1 for multi-head attention): query head h
         reads key/value head h // group.
+    alibi: whether the call has ALiBi slopes (numba_flash.extras): -slope · |i + seqlen_k -
+        seqlen_q - j| is added to the (softcapped) scaled score.
+    varlen: packed sequences (forward_varlen): q, k, v are (total, nheads, headdim) and
+        cu_seqlens (numba_flash.extras) say where each sequence starts; every sequence attends
+        within itself, with its own seqlen_q and seqlen_k.
+    max_seqlen_q, max_seqlen_k: varlen's longest sequences (upper bounds; they size the
+        grid); None otherwise and in for_kernels().
     """
 
     head_dim: int
@@ -46,6 +53,10 @@ class AttentionSpec:
     window_right: int = -1
     softcap: float = 0.0
     group: int = 1
+    alibi: bool = False
+    varlen: bool = False
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
 
     def __post_init__(self):
         if self.causal or self.window_right == 0:  # one spec for one meaning
@@ -60,7 +71,8 @@ class AttentionSpec:
     def for_kernels(self, **changes):
         """The spec a kernel factory is keyed on: run-time values cleared, with `changes`
         (e.g. the padded head dim a kernel family runs at)."""
-        return dataclasses.replace(self, softmax_scale=None, **changes)
+        return dataclasses.replace(self, softmax_scale=None, max_seqlen_q=None,
+                                   max_seqlen_k=None, **changes)
 
     @property
     def bf16(self):
@@ -71,6 +83,11 @@ class AttentionSpec:
     def windowed(self):
         """Whether some keys are out of some query's sight (causal or a window)."""
         return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def score_modded(self):
+        """Whether scores are changed before the softmax (softcap, ALiBi)."""
+        return bool(self.softcap) or self.alibi
 
 
 def check_causal(causal):
@@ -135,18 +152,36 @@ def resolve_softmax_scale(softmax_scale, head_dim):
     return scale
 
 
-def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size, softcap):
+def check_max_seqlen(name, value):
+    """varlen's max_seqlen_q / max_seqlen_k: an int >= 1."""
+    message = f"{name} must be an int >= 1 (the longest sequence's length, or more); got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(message)
+    if value < 1:
+        raise ValueError(message)
+    return int(value)
+
+
+def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size, softcap,
+           alibi, max_seqlens):
     """dtype: a name, or an array's dtype object (numpy or torch); nheads, nheads_kv: of q
-    and k, None where unknown (then no GQA: the array checks will say what is wrong)."""
+    and k, None where unknown (then no GQA: the array checks will say what is wrong);
+    max_seqlens: varlen's (max_seqlen_q, max_seqlen_k), or None."""
     dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
     group = 1 if nheads is None or nheads_kv is None else check_group(nheads, nheads_kv)
     check_causal(causal)
     # (a q without a valid head dim meets its error in the array checks, before any use)
     scale = resolve_softmax_scale(softmax_scale, max(head_dim, 1))
     left, right = check_window_size(window_size)
+    varlen = max_seqlens is not None
+    if varlen:
+        max_seqlens = (check_max_seqlen("max_seqlen_q", max_seqlens[0]),
+                       check_max_seqlen("max_seqlen_k", max_seqlens[1]))
     return AttentionSpec(head_dim=head_dim, dtype=dtype, causal=causal, softmax_scale=scale,
                          window_left=left, window_right=right, softcap=check_softcap(softcap),
-                         group=group)
+                         group=group, alibi=bool(alibi), varlen=varlen,
+                         max_seqlen_q=max_seqlens[0] if varlen else None,
+                         max_seqlen_k=max_seqlens[1] if varlen else None)
 
 
 _SCALAR_TYPES = (float, int, type(None))
@@ -164,23 +199,26 @@ def _plain_pair(window_size):
 
 
 def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-              softcap=0.0):
+              softcap=0.0, alibi=False, max_seqlens=None):
     """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
-    GQA) with these options; TypeError or ValueError naming the option that is wrong. The
-    arrays' own checks (rank, dtype, shapes) are numba_flash._checks'; a q without a head dim
-    gets its error there."""
+    GQA) with these options (alibi: whether ALiBi slopes come with the call; max_seqlens:
+    varlen's (max_seqlen_q, max_seqlen_k), q and k then (total, nheads, headdim)); TypeError
+    or ValueError naming the option that is wrong. The arrays' own checks (rank, dtype,
+    shapes) are numba_flash._checks'; a q without a head dim gets its error there."""
+    rank = 3 if max_seqlens is not None else 4  # (the API's arrays: head dim and heads)
     shape = getattr(q, "shape", None)
-    if shape is not None and len(shape) == 4:  # (the API's arrays: head dim and heads)
-        head_dim, nheads = int(shape[3]), shape[2]
+    if shape is not None and len(shape) == rank:
+        head_dim, nheads = int(shape[-1]), shape[-2]
     else:
         head_dim, nheads = (int(shape[-1]) if shape is not None and len(shape) else 0), None
     k_shape = None if k is None else getattr(k, "shape", None)
-    nheads_kv = k_shape[2] if k_shape is not None and len(k_shape) == 4 else None
+    nheads_kv = k_shape[-2] if k_shape is not None and len(k_shape) == rank else None
     dtype = getattr(q, "dtype", "")
     if (type(causal) is bool and type(softmax_scale) in _SCALAR_TYPES
             and type(softcap) in _SCALAR_TYPES
-            and (window_size is NO_WINDOW or _plain_pair(window_size))):
+            and (window_size is NO_WINDOW or _plain_pair(window_size))
+            and (max_seqlens is None or _plain_pair(max_seqlens))):
         return _cached_build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale,
-                             window_size, softcap)
+                             window_size, softcap, alibi, max_seqlens)
     return _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size,
-                  softcap)
+                  softcap, alibi, max_seqlens)

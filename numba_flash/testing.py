@@ -6,7 +6,9 @@ floor relative to the magnitude of the values.
 """
 import numpy as np
 
-from numba_flash.reference import expand_kv, reduce_kv, score_mod, visible
+from numba_flash.extras import NO_EXTRAS
+from numba_flash.reference import (alibi_bias, expand_kv, per_sequence, reduce_kv, score_mod,
+                                   visible)
 
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
@@ -59,18 +61,23 @@ def round16(xp, x, dtype):
     return bf16_values(xp, bf16_bits(xp, x))
 
 
-def _masked_scores(xp, q, k, spec):
+def _masked_scores(xp, q, k, spec, extras):
     """(float32 scores, -inf where masked; the score mod's derivative or None)."""
     k = expand_kv(xp, k, spec.group)
     s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(spec.softmax_scale)
     s, ds_dscaled = score_mod(xp, s, spec)
+    if spec.alibi:
+        s = s + alibi_bias(xp, extras.alibi_slopes, q.shape[1], k.shape[1], xp.float32)
     mask = visible(xp, spec, q.shape[1], k.shape[1])
     return (s if mask is None else xp.where(mask, s, xp.float32(-xp.inf))), ds_dscaled
 
 
-def plain16_forward(xp, q, k, v, spec, dtype):
+def plain16_forward(xp, q, k, v, spec, dtype, extras=NO_EXTRAS):
     """(out, lse) of standard attention as a 16-bit implementation computes them."""
-    s, _ = _masked_scores(xp, q, k, spec)
+    if spec.varlen:
+        return per_sequence(xp, _plain16_forward_of(dtype), spec, extras, xp.float32,
+                            (q, k, v), (0, 1, 1), (0, None))
+    s, _ = _masked_scores(xp, q, k, spec, extras)
     m = s.max(-1, keepdims=True)
     p = xp.exp(s - xp.where(xp.isneginf(m), xp.float32(0), m))
     l = p.sum(-1, keepdims=True)
@@ -80,9 +87,12 @@ def plain16_forward(xp, q, k, v, spec, dtype):
     return round16(xp, out, dtype), lse
 
 
-def plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype):
+def plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype, extras=NO_EXTRAS):
     """(dq, dk, dv) of standard attention as a 16-bit implementation computes them."""
-    s, ds_dscaled = _masked_scores(xp, q, k, spec)
+    if spec.varlen:
+        return per_sequence(xp, _plain16_backward_of(dtype), spec, extras, xp.float32,
+                            (dout, q, k, v, out, lse), (0, 0, 1, 1, 0, 0), (0, 1, 1))
+    s, ds_dscaled = _masked_scores(xp, q, k, spec, extras)
     k, v = (expand_kv(xp, x, spec.group) for x in (k, v))
     p = xp.exp(s - xp.where(xp.isneginf(lse), xp.float32(xp.inf), lse)[..., None])
     delta = xp.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
@@ -95,3 +105,17 @@ def plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype):
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, k) * scale
     dk = reduce_kv(xp, xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale, spec.group)
     return tuple(round16(xp, x, dtype) for x in (dq, dk, dv))
+
+
+def _plain16_forward_of(dtype):
+    """plain16_forward in per_sequence's calling convention (which computes in float32 and
+    rounds to `dtype`)."""
+    def forward(xp, q, k, v, spec, _, extras):
+        return plain16_forward(xp, q, k, v, spec, dtype, extras)
+    return forward
+
+
+def _plain16_backward_of(dtype):
+    def backward(xp, dout, q, k, v, out, lse, spec, _, extras):
+        return plain16_backward(xp, dout, q, k, v, out, lse, spec, dtype, extras)
+    return backward

@@ -3,7 +3,9 @@
 Rows (float16 unless --dtype, head dim 128, B·N = --tokens, causal unless said): multi-head
 attention with --heads heads (the reference row); GQA with --kv-heads key/value heads, beside
 torch SDPA with enable_gqa=True (flash, cudnn, efficient: those that take it); a sliding
-window of --window keys; softcap --softcap. TFLOP/s are counted over the visible (unmasked)
+window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); varlen,
+--documents packed causal sequences of random lengths (seeded) making up one sequence of
+--seqlen tokens. TFLOP/s are counted over the visible (unmasked)
 pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips its masked
 tiles scores like dense attention; each row also gives its time against the causal MHA row
 and the share of causal MHA's visible pairs it has. Timing as scripts/bench.py (CUDA events,
@@ -32,24 +34,69 @@ def visible_pairs(seqlen_q, seqlen_k, causal, window):
     return float(np.maximum(0, last - first + 1).sum())
 
 
+def document_lengths(seqlen, documents, seed=0):
+    """`documents` random lengths (each at least 1/4 of the mean) summing to seqlen."""
+    rng = np.random.default_rng(seed)
+    shares = rng.uniform(0.25, 1.75, documents)
+    lengths = np.maximum(1, np.round(shares / shares.sum() * seqlen)).astype(int)
+    lengths[-1] = seqlen - lengths[:-1].sum()
+    return [int(n) for n in lengths]
+
+
+def alibi_slopes(heads):
+    """The ALiBi paper's slopes for a power-of-two number of heads: 2^(-8 (h + 1) / heads)."""
+    return (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
+
+
 def rows(args):
-    """(name, kv_heads, options, torch peers)"""
+    """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row) and
+    "lengths" (varlen) are the bench's own."""
     sdpa = ("flash", "cudnn", "efficient")
     return [("mha causal", args.heads, dict(causal=True), sdpa),
             (f"gqa {args.heads}/{args.kv_heads} causal", args.kv_heads, dict(causal=True), sdpa),
             (f"window {args.window} causal", args.heads,
              dict(causal=True, window_size=(args.window, 0)), ()),
             (f"softcap {args.softcap:g} causal", args.heads,
-             dict(causal=True, softcap=args.softcap), ())]
+             dict(causal=True, softcap=args.softcap), ()),
+            ("alibi causal", args.heads, dict(causal=True, alibi=True), ()),
+            (f"varlen {args.documents} docs causal", args.heads,
+             dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ())]
+
+
+def row_pairs(seqlen, options):
+    """The visible pairs of one sequence of a row (varlen: of its documents)."""
+    causal, window = options.get("causal", False), options.get("window_size", (-1, -1))
+    return sum(visible_pairs(n, n, causal, window)
+               for n in options.get("lengths", [seqlen]))
+
+
+def our_call(numba_flash, cp, options, heads):
+    """(forward(q, k, v), backward(dout, q, k, v, out, lse)) of a row on (batch, N, H, D)
+    arrays (varlen: the batch's one sequence as the packed documents)."""
+    options = dict(options)
+    lengths = options.pop("lengths", None)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = cp.asarray(alibi_slopes(heads))
+    if lengths is None:
+        return (lambda q, k, v: numba_flash.forward(q, k, v, **options),
+                lambda *a: numba_flash.backward(*a, **options))
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    varlen = (cu, cu, max(lengths), max(lengths))
+    return (lambda q, k, v: numba_flash.forward_varlen(q[0], k[0], v[0], *varlen, **options),
+            lambda dout, q, k, v, out, lse: numba_flash.backward_varlen(
+                dout[0], q[0], k[0], v[0], out, lse, *varlen, **options))
 
 
 def runners(numba_flash, torch, inputs, options, passes, peers):
     """{name: fn(i)} for numba and the torch peers of a row."""
+    import cupy as cp
+    forward, backward = our_call(numba_flash, cp, options, inputs[0][0].shape[2])
+
     def ours(i):
         q, k, v, dout = inputs[i]
-        out, lse = numba_flash.forward(q, k, v, **options)
+        out, lse = forward(q, k, v)
         if passes == "fwdbwd":
-            numba_flash.backward(dout, q, k, v, out, lse, **options)
+            backward(dout, q, k, v, out, lse)
     found = {"numba": ours}
     if torch is None or not peers:
         return found
@@ -82,6 +129,7 @@ def main(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--softcap", type=float, default=30.0)
+    parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"],
                         choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
@@ -123,9 +171,7 @@ def main(argv=None):
             if args.warm_only:
                 continue
             times = timer(ready)
-            pairs = batch * args.heads * visible_pairs(args.seqlen, args.seqlen,
-                                                       options.get("causal", False),
-                                                       options.get("window_size", (-1, -1)))
+            pairs = batch * args.heads * row_pairs(args.seqlen, options)
             work = 4.0 * args.head_dim * pairs * (3.5 if passes == "fwdbwd" else 1.0)
             if reference_ms is None:
                 reference_ms, reference_pairs = times["numba"], pairs

@@ -83,16 +83,19 @@ def ptxas_report(ptxas, ptx, cc):
             "shared_bytes": number(r"(\d+) bytes smem")}
 
 
-VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4)
+VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True, varlen=True)
 
 
 def _specs(head_dim, dtype, variants):
-    """(tag word, spec): full and causal, or with variants all of them at once."""
+    """(tag word, spec, the signature of the kernels' last three arguments): full and
+    causal, or with variants all of them at once."""
     if variants:
-        yield "variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS)
+        yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
+               ", float32[:, :], int32[::1], int32[::1]")
         return
-    yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype)
-    yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True)
+    unused = ", float32[:, :, :]" * 3  # (the lse array: launch.kernel_extras_unused)
+    yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype), unused
+    yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True), unused
 
 
 def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
@@ -107,7 +110,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
         a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
         f3 = "float32[:, :, :]"
         for head_dim in head_dims:
-            for kind, spec in _specs(head_dim, dtype, variants):
+            for kind, spec, extras in _specs(head_dim, dtype, variants):
                 tag = f"d{head_dim}_{kind}_{dtype}"
                 configs = (simt_forward_candidates(head_dim) if all_configs
                            else [simt_forward_config(head_dim, shared_limit)])
@@ -121,7 +124,7 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
                         fwd = forward_kernel_function(config, spec, async_copy)
                         name = (f"forward_{tag}{'_async' if async_copy else ''}"
                                 f"{'_' + shape if all_configs else ''}")
-                        yield (name, fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32)",
+                        yield (name, fwd, f"({a4}, {a4}, {a4}, {a4}, {f3}, float32{extras})",
                                simt_forward_shared_bytes(config, head_dim))
                 configs = (simt_backward_candidates(head_dim) if all_configs
                            else [simt_backward_config(head_dim, shared_limit)])
@@ -139,10 +142,10 @@ def kernel_cases(head_dims, dtypes, cc, all_configs=False, variants=False):
                             yield f"bwd_delta_{tag}", delta, f"({a4}, {a4}, {f3})", 0
                         yield (f"bwd_dk_dv_{tag}{end}", dk_dv,
                                f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, {a4}, float32, "
-                               f"float32)", dk_dv_bytes)
+                               f"float32{extras})", dk_dv_bytes)
                         yield (f"bwd_dq_{tag}{end}", dq,
-                               f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)",
-                               dq_bytes)
+                               f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, "
+                               f"float32{extras})", dq_bytes)
 
 
 MMA_DTYPES = ("float16", "bfloat16")
@@ -159,28 +162,29 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
         bwd = mma_backward_config(head_dim)
         dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for dtype in dtypes:
-            for kind, spec in _specs(head_dim, dtype, variants):
+            for kind, spec, extras in _specs(head_dim, dtype, variants):
                 tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
                 fn = mma_forward_kernel_function(config, spec)
                 yield (f"mma_forward_{tag}", fn,
-                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32)",
+                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
                        mma_forward_shared_bytes(config, head_dim))
                 f3 = "float32[:, :, :]"
                 yield (f"mma_bwd_dk_dv_{tag}",
                        mma_dk_dv_kernel_function(bwd, spec),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32)",
-                       dk_dv_bytes)
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32"
+                       f"{extras})", dk_dv_bytes)
                 yield (f"mma_bwd_dq_{tag}",
                        mma_dq_kernel_function(bwd, spec),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", dq_bytes)
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32{extras})",
+                       dq_bytes)
                 if head_dim == 64 and kind != "variants":  # contiguous arrays, as the
                     # backend usually passes them: the d64 dK/dV kernel's occupancy hangs on
                     # its registers (168 or fewer for three blocks of 128 threads per
                     # multiprocessor)
                     c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
                     yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
-                           f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32)",
-                           dk_dv_bytes)
+                           f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32"
+                           f"{', float32[:, :, ::1]' * 3})", dk_dv_bytes)
 
 
 def main(argv=None):

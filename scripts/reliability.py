@@ -2,6 +2,8 @@
 
     python scripts/reliability.py sanitize   # every kernel at odd sizes (run it under
                                              #   compute-sanitizer --tool memcheck / racecheck)
+    python scripts/reliability.py sanitize-variants  # the same for GQA, window, softcap, ALiBi,
+                                                     #   varlen
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -59,6 +61,41 @@ def sanitize(numba_flash, cp, torch):
             calls += 2
     cp.cuda.Device().synchronize()
     print(f"sanitize: {calls} calls done")
+    return True
+
+
+def sanitize_variants(numba_flash, cp, torch):
+    """The variants' kernels at odd sizes, every engine: GQA with a window, softcap and ALiBi
+    at once, and varlen (sequences without queries or keys among them), each call twice (the
+    second a replay)."""
+    rng = np.random.default_rng(1)
+    lengths = [(37, 20), (0, 9), (70, 81), (5, 0)]
+    cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
+                  for side in zip(*lengths))
+    varlen = (cu_q, cu_k, *(max(side) for side in zip(*lengths)))
+    calls = 0
+    for backend, dtype in (("numba-simt", "float32"), ("numba-simt", "float16"),
+                           ("numba-mma", "float16"), ("numba-mma", "bfloat16")):
+        for head_dim in (64, 128):
+            q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, head_dim), dtype)
+            k, v = (x[:, :, :2].contiguous() if dtype == "bfloat16"  # (torch tensors)
+                    else cp.ascontiguousarray(x[:, :, :2]) for x in (k, v))
+            slopes = cp.asarray(rng.uniform(0.05, 0.5, (2, 4)), cp.float32)
+            if dtype == "bfloat16":
+                slopes = torch.from_dlpack(slopes)
+            options = dict(causal=True, window_size=(19, -1), softcap=5.0, alibi_slopes=slopes)
+            for _ in range(2):
+                out, lse = numba_flash.forward(q, k, v, backend=backend, **options)
+                numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **options)
+                packed = [x[0, :int(n)] for x, n in zip((q, k, v, dout), (cu_q[-1], cu_k[-1],
+                                                                          cu_k[-1], cu_q[-1]))]
+                out, lse = numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,
+                                                      backend=backend)
+                numba_flash.backward_varlen(packed[3], *packed[:3], out, lse, *varlen,
+                                            causal=True, backend=backend)
+                calls += 4
+    cp.cuda.Device().synchronize()
+    print(f"sanitize-variants: {calls} calls done")
     return True
 
 
@@ -143,7 +180,8 @@ def jit(numba_flash, cp, torch):
     return True
 
 
-MODES = {"sanitize": sanitize, "repeat": repeat, "long": long, "jit": jit}
+MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants, "repeat": repeat,
+         "long": long, "jit": jit}
 
 
 def main(argv=None):

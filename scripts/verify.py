@@ -47,10 +47,13 @@ GPU_VARIANTS = [
     ((1, 1500, 1300, 2, 128), 2, False, dict(window_size=(40, 7))),
     ((1, 1024, 1024, 4, 128), 4, True, dict(softcap=30.0)),
     ((1, 1200, 1200, 4, 96), 2, False, dict(softcap=5.0, window_size=(100, 100))),
+    ((2, 1000, 1300, 4, 128), 2, True, dict(alibi=True)),
+    ((1, 1100, 900, 4, 64), 4, False, dict(alibi=True, softcap=20.0, window_size=(300, 50))),
 ]
 SIM_VARIANTS = [
     ((1, 30, 37, 4, 32), 2, True, dict(softcap=2.0)),
     ((1, 40, 29, 2, 16), 1, False, dict(window_size=(5, 2))),
+    ((2, 21, 26, 2, 16), 1, True, dict(alibi=True)),
 ]
 LONG = (1, 65536, 65536, 8, 64)  # forward only: the cupy backend would need O(N^2) memory
 
@@ -97,6 +100,13 @@ class Inputs:
         tensor = torch.from_numpy(to_host(x)) if host or not self.on_gpu else torch.from_dlpack(x)
         return tensor.to(torch.bfloat16)
 
+    def float32_for_backend(self, x, host):
+        """A float32 array beside the inputs (ALiBi slopes): torch for bfloat16 cases."""
+        if self.dtype != "bfloat16":
+            return to_host(x) if host else x
+        import torch
+        return torch.from_numpy(to_host(x)) if host or not self.on_gpu else torch.from_dlpack(x)
+
 
 def _variant_name(nheads, kv_heads, options):
     words = [f"Hkv{kv_heads}"] if kv_heads != nheads else []
@@ -104,13 +114,16 @@ def _variant_name(nheads, kv_heads, options):
         words.append("win{}:{}".format(*options["window_size"]))
     if options.get("softcap"):
         words.append(f"cap{options['softcap']:g}")
+    if options.get("alibi"):
+        words.append("alibi")
     return " ".join(words)
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads=None,
                 options=None):
     """One case: shape (batch, seqlen_q, seqlen_k, nheads, headdim); kv_heads (GQA) and
-    options (window_size, softcap) for the variants."""
+    options (window_size, softcap, alibi: random (batch, nheads) slopes) for the variants."""
+    from numba_flash.extras import NO_EXTRAS, Extras
     from numba_flash.reference import attention_backward, attention_forward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward, plain16_forward, round16
@@ -118,6 +131,9 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     kv_heads, options = kv_heads or nheads, dict(options or {}, causal=causal)
     case = (f"{dtype:8s} {'causal' if causal else 'full  '} B{batch} H{nheads} "
             f"Nq{seqlen_q} Nk{seqlen_k} D{headdim} {_variant_name(nheads, kv_heads, options)}")
+    alibi = options.pop("alibi", False)
+    slopes = xp.asarray(rng.uniform(0.02, 0.5, (batch, nheads)).astype(np.float32))
+    extras = Extras(slopes) if alibi else NO_EXTRAS
     bf16 = dtype == "bfloat16"
     values = list(harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype))
     values[1:3] = [xp.ascontiguousarray(x[:, :, :kv_heads]) for x in values[1:3]]
@@ -125,22 +141,22 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
         values = [round16(xp, x, dtype) for x in values]
     inputs = Inputs(xp, values, dtype, on_gpu)
     q, k, v, dout = values
-    spec = make_spec(q, k, **options)
-    ref_out, ref_lse = attention_forward(xp, q, k, v, spec, "float64")
+    spec = make_spec(q, k, alibi=alibi, **options)
+    ref_out, ref_lse = attention_forward(xp, q, k, v, spec, "float64", extras)
     # out and lse handed to backward: the reference's, rounded as forward would return them.
     out_in = (round16(xp, ref_out, dtype) if bf16 else
               xp.ascontiguousarray(ref_out.astype(dtype)))
     lse_in = xp.ascontiguousarray(ref_lse.astype("float32"))
     ref_grads = [to_host(g) for g in attention_backward(xp, dout, q, k, v, out_in, lse_in, spec,
-                                                        "float64")]
+                                                        "float64", extras)]
     ref_out, ref_lse = to_host(ref_out), to_host(ref_lse)
     # The plain same-precision implementation that sets the error bound.
     if bf16:
-        base_out, base_lse = plain16_forward(xp, q, k, v, spec, dtype)
-        base_grads = plain16_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype)
+        base_out, base_lse = plain16_forward(xp, q, k, v, spec, dtype, extras)
+        base_grads = plain16_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype, extras)
     else:
-        base_out, base_lse = attention_forward(xp, q, k, v, spec, dtype)
-        base_grads = attention_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype)
+        base_out, base_lse = attention_forward(xp, q, k, v, spec, dtype, extras)
+        base_grads = attention_backward(xp, dout, q, k, v, out_in, lse_in, spec, dtype, extras)
     limits = {"out": error_bound(max_error(to_host(base_out), ref_out), ref_out, dtype),
               "lse": error_bound(max_error(to_host(base_lse), ref_lse), ref_lse, dtype)}
     for name, base, ref in zip(("dq", "dk", "dv"), base_grads, ref_grads):
@@ -157,7 +173,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
             continue
         args = [inputs.for_backend(x, host) for x in (q, k, v)]
         backend = numba_flash.get_backend(name)
-        backend_spec = make_spec(args[0], args[1], **options)
+        backend_spec = make_spec(args[0], args[1], alibi=alibi, **options)
         reason = backend.supports(backend_spec, *args)
         if reason:
             table.skip(name, case, reason)
@@ -175,6 +191,8 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
         engines_run[engine] = name
         if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
+        if alibi:  # (float32, the library and place of the backend's q)
+            options["alibi_slopes"] = inputs.float32_for_backend(slopes, host)
         out, lse = numba_flash.forward(*args, backend=name, **options)
         table.add(name, case, "out", max_error(to_host(out), ref_out), limits["out"])
         table.add(name, case, "lse", max_error(to_host(lse), ref_lse), limits["lse"])
@@ -186,6 +204,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
         if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
         grads = numba_flash.backward(*bargs, backend=name, **options)
+        options.pop("alibi_slopes", None)
         for gname, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             table.add(name, case, gname, max_error(to_host(got), ref), limits[gname])
 

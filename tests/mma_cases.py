@@ -1,9 +1,13 @@
 """The tensor-core kernels' test cases, shared by tests/kernels/mma and tests/variants: 16-bit
 inputs as bit patterns, one launch into poisoned outputs, every result checked against float64.
-`options` are AttentionSpec fields (window_left, window_right, softcap); kv_heads (GQA) gives
-k and v fewer heads than q."""
+`options` are AttentionSpec fields (window_left, window_right, softcap, alibi); kv_heads (GQA)
+gives k and v fewer heads than q; `lengths` [(seqlen_q, seqlen_k) per sequence] makes the case
+varlen: the kernels see the sequences packed along a batch axis of one (their view of
+forward_varlen's arrays), the references the packed arrays themselves."""
 import numpy as np
 from error_rule import assert_within_rule
+
+from numba_flash.extras import NO_EXTRAS, Extras
 
 from numba_flash.backends.numba.mma.bwd import launch_mma_backward
 from numba_flash.backends.numba.mma.fwd import launch_mma_forward
@@ -28,28 +32,64 @@ def decode(bits, dtype):
     return bits.view(np.float16).astype(np.float32) if dtype == "float16" else bf16_values(np, bits)
 
 
-def make_case_spec(shape, causal, dtype, kv_heads, options):
+def make_case_spec(shape, causal, dtype, kv_heads, options, lengths=None):
     """(spec, nheads of k and v) of a case."""
     nheads, head_dim = shape[3], shape[4]
     kv_heads = kv_heads or nheads
+    if lengths is not None:
+        options = dict(options, varlen=True, max_seqlen_q=max(n for n, _ in lengths),
+                       max_seqlen_k=max(n for _, n in lengths))
     spec = AttentionSpec(head_dim, dtype, causal=causal, softmax_scale=head_dim ** -0.5,
                          group=nheads // kv_heads, **options)
     return spec, kv_heads
 
 
-def run_forward(rng, shape, causal, dtype, config, kv_heads=None, **options):
+class Layout:
+    """A case's array shapes and extras: (batch, seqlen_q, seqlen_k) arrays, or varlen's
+    sequences packed into a batch of one. draw(n_side, nheads) gives the kernels' arrays;
+    ref(x) the references' view of one (varlen: the packed array without its batch axis)."""
+
+    def __init__(self, rng, spec, shape, lengths=None):
+        batch, seqlen_q, seqlen_k, nheads, head_dim = shape
+        self.rng, self.head_dim, self.varlen = rng, head_dim, lengths is not None
+        if self.varlen:
+            cu = [np.concatenate([[0], np.cumsum(side)]).astype(np.int32)
+                  for side in zip(*lengths)]
+            self.batch, self.rows, sequences = 1, (int(cu[0][-1]), int(cu[1][-1])), len(lengths)
+        else:
+            cu, self.batch, self.rows, sequences = (None, None), batch, (seqlen_q, seqlen_k), batch
+        slopes = (rng.uniform(0.05, 1.0, (sequences, nheads)).astype(np.float32)
+                  if spec.alibi else None)
+        self.extras = (Extras(slopes, *cu) if spec.alibi or self.varlen else NO_EXTRAS)
+        self.lse_shape = (self.batch, nheads, self.rows[0])
+
+    def draw(self, side, nheads):
+        return self.rng.standard_normal((self.batch, self.rows[side], nheads, self.head_dim))
+
+    def ref(self, x):
+        return x[0] if self.varlen else x
+
+    def kernel_extras(self, spec, unused):
+        from numba_flash.backends.numba.marshal import kernel_extras
+        return kernel_extras(spec, self.extras, None, unused)
+
+
+def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
     """launch_mma_forward on random 16-bit inputs into poisoned outputs; out checked by the
     rule against float64, lse against float64 (the same rows -inf, the others within 1e-4)."""
-    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
-    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options)
-    draw = lambda n, h: rng.standard_normal((batch, n, h, head_dim))  # noqa: E731
-    (qb, q), (kb, k), (vb, v) = (encode(draw(n, h), dtype) for n, h in
-                                 ((seqlen_q, nheads), (seqlen_k, kv_heads), (seqlen_k, kv_heads)))
+    nheads = shape[3]
+    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
+    case = Layout(rng, spec, shape, lengths)
+    (qb, q), (kb, k), (vb, v) = (encode(case.draw(side, h), dtype) for side, h in
+                                 ((0, nheads), (1, kv_heads), (1, kv_heads)))
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
-    lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
-    launch_mma_forward(spec, qb, kb, vb, out, lse, config=config)
-    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
-    base_out, _ = plain16_forward(np, q, k, v, spec, dtype)
+    lse = np.full(case.lse_shape, np.nan, np.float32)
+    launch_mma_forward(spec, qb, kb, vb, out, lse, config=config,
+                       extras=case.kernel_extras(spec, lse))
+    q, k, v = (case.ref(x) for x in (q, k, v))
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
+    base_out, _ = plain16_forward(np, q, k, v, spec, dtype, case.extras)
+    out, lse = case.ref(out), case.ref(lse)
     assert_within_rule("out", decode(out, dtype), base_out, ref_out, "float16")
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite)
@@ -58,21 +98,26 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, **options):
     assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
 
 
-def run_backward(rng, shape, causal, dtype, config, kv_heads=None, **options):
+def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
     """launch_mma_backward on random 16-bit inputs (out, lse from float64 attention), each
     gradient checked by the rule against float64."""
-    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
-    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options)
-    draw = lambda n, h: rng.standard_normal((batch, n, h, head_dim))  # noqa: E731
-    sizes = ((seqlen_q, nheads), (seqlen_k, kv_heads), (seqlen_k, kv_heads), (seqlen_q, nheads))
-    (qb, q), (kb, k), (vb, v), (dob, do) = (encode(draw(n, h), dtype) for n, h in sizes)
-    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
+    nheads = shape[3]
+    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
+    case = Layout(rng, spec, shape, lengths)
+    sides = ((0, nheads), (1, kv_heads), (1, kv_heads), (0, nheads))
+    (qb, q), (kb, k), (vb, v), (dob, do) = (encode(case.draw(side, h), dtype)
+                                            for side, h in sides)
+    q, k, v, do = (case.ref(x) for x in (q, k, v, do))
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
     outb, out = encode(np.ascontiguousarray(ref_out), dtype)
     lse = np.ascontiguousarray(ref_lse, np.float32)
     grads = [np.full(x.shape, NAN16, np.uint16) for x in (qb, kb, vb)]  # poisoned
-    delta = np.full(lse.shape, np.nan, np.float32)
-    launch_mma_backward(spec, dob, qb, kb, vb, outb, lse, delta, *grads, config=config)
-    refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64)
-    bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype)
+    delta = np.full(case.lse_shape, np.nan, np.float32)
+    kernel_lse = lse.reshape(case.lse_shape)
+    outb = outb.reshape(qb.shape)
+    launch_mma_backward(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
+                        extras=case.kernel_extras(spec, kernel_lse))
+    refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64, case.extras)
+    bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
-        assert_within_rule(name, decode(got, dtype), base, ref, "float16")
+        assert_within_rule(name, decode(case.ref(got), dtype), base, ref, "float16")

@@ -17,6 +17,7 @@ import functools
 
 from numba_flash import _arrays
 from numba_flash.backends.base import Backend
+from numba_flash.extras import NO_EXTRAS
 
 from . import replay
 from .gpu import simulator_enabled
@@ -95,36 +96,47 @@ class NumbaBackend(Backend):
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def forward_and_replay(self, spec, q, k, v):
+    def forward_and_replay(self, spec, q, k, v, extras=NO_EXTRAS):
+        inputs = (q, k, v, *extras.arrays())
         with replay.recording() as record:
-            result, fallback = super().forward_and_replay(spec, q, k, v)
-        return result, replay.build_replay(self, record, (q, k, v), result) or fallback
+            result, fallback = super().forward_and_replay(spec, q, k, v, extras)
+        return result, replay.build_replay(self, record, inputs, result) or fallback
 
-    def backward_and_replay(self, spec, dout, q, k, v, out, lse):
-        inputs = (dout, q, k, v, out, lse)
+    def backward_and_replay(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
+        inputs = (dout, q, k, v, out, lse, *extras.arrays())
         with replay.recording() as record:
-            result, fallback = super().backward_and_replay(spec, *inputs)
+            result, fallback = super().backward_and_replay(spec, dout, q, k, v, out, lse, extras)
         return result, replay.build_replay(self, record, inputs, result, ref=1) or fallback  # q
 
-    def forward(self, spec, q, k, v):
+    def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
-        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
+        nheads, seqlen_q = int(q.shape[-2]), int(q.shape[-3])
+        lse_shape = (nheads, seqlen_q) if spec.varlen else (int(q.shape[0]), nheads, seqlen_q)
         with self._on_device(q):
             out = self._new(q, tuple(int(s) for s in q.shape), spec.dtype)
-            lse = self._new(q, (batch, nheads, seqlen_q), "float32")
-            engine.forward(spec, q, k, v, out, lse, functools.partial(self._new, q),
-                           self._stream(q))
+            lse = self._new(q, lse_shape, "float32")
+            arrays = _batched(spec, (q, k, v, out, lse))
+            engine.forward(spec, *arrays, functools.partial(self._new, q), self._stream(q),
+                           extras)
         return out, lse
 
-    def backward(self, spec, dout, q, k, v, out, lse):
+    def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
-        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), spec.dtype) for x in (q, k, v)]
-            delta = self._new(q, (batch, nheads, seqlen_q), "float32")
-            engine.backward(spec, dout, q, k, v, out, lse, delta, grads,
-                            functools.partial(self._new, q), self._stream(q))
+            dout, q, k, v, out, lse = _batched(spec, (dout, q, k, v, out, lse))
+            delta = self._new(q, tuple(int(s) for s in lse.shape), "float32")
+            engine.backward(spec, dout, q, k, v, out, lse, delta, _batched(spec, grads),
+                            functools.partial(self._new, q), self._stream(q), extras)
         return tuple(grads)
+
+
+def _batched(spec, arrays):
+    """Varlen's packed arrays as the kernels see them, with a batch axis of one
+    (device/sequence.py); other calls' arrays as they are."""
+    if not spec.varlen:
+        return tuple(arrays)
+    return tuple(_arrays.with_batch_axis(x) for x in arrays)
 
 
 class NumbaMmaBackend(NumbaBackend):

@@ -4,7 +4,8 @@ The backend (backend.py) tries its engines in order and runs the first whose `re
 a new family is a new Engine in a new package, added to the backends' `engines` tuples.
 Engines receive the outputs (and the backward's delta scratch) allocated, an `alloc(shape,
 dtype)` for any further array (copies, scratch: of the call's library and device, noted for
-replays), and the stream handle to launch on.
+replays), the stream handle to launch on, and the call's numba_flash.extras.Extras (ALiBi
+slopes, cu_seqlens). Varlen arrays come with a batch axis of one (device/sequence.py).
 """
 
 
@@ -15,11 +16,11 @@ class Engine:
         """None if this engine's kernels can run the call, else a sentence saying why not."""
         raise NotImplementedError
 
-    def forward(self, spec, q, k, v, out, lse, alloc, stream):
+    def forward(self, spec, q, k, v, out, lse, alloc, stream, extras):
         """Fill out (like q) and lse (float32 (batch, nheads, seqlen_q))."""
         raise NotImplementedError
 
-    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream):
+    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         """Fill grads = (dq, dk, dv); delta is float32 (batch, nheads, seqlen_q) scratch."""
         raise NotImplementedError
 

@@ -291,6 +291,22 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
         return _prepared.setdefault(key, prepared)
 
 
+#: the unused arguments of launches on host arrays (which are copied to the GPU and back one
+#: by one, so a written array passed twice would be copied back stale)
+_HOST_UNUSED = np.zeros(1, np.int32)
+
+
+def kernel_extras_unused(unused):
+    """The attention kernels' last three arguments (alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    for a call that has none of them: each takes `unused`, a device array the launch passes
+    anyway (the kernels of such a spec never read these arguments), so that no array is made
+    for them and a replay finds every address among the call's arrays; for host arrays (the
+    simulator, kernel tests) a one-element array instead."""
+    if isinstance(unused, np.ndarray):
+        unused = _HOST_UNUSED
+    return unused, unused, unused
+
+
 def launch(kernel, grid, block, stream, shared_bytes, *args):
     """kernel[grid, block, stream, shared_bytes](*args) on the current device (the backend
     makes the arrays' device current first: backend.NumbaBackend._on_device).

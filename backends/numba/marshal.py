@@ -14,7 +14,7 @@ from numba import cuda
 from numba_flash import _arrays
 
 from .gpu import simulator_enabled
-from .launch import DeviceView, device_view, launch
+from .launch import DeviceView, device_view, kernel_extras_unused, launch
 
 THREADS = 256
 MAX_BLOCKS = 4096  # grid-stride beyond this: enough blocks to fill any current GPU
@@ -33,6 +33,30 @@ def view(x, bits=False):
     else:
         result = device_view(x)
     return result.view(np.uint16) if bits else result
+
+
+def kernel_extras(spec, extras, q_view, unused):
+    """The attention kernels' (alibi_slopes, cu_seqlens_q, cu_seqlens_k) arguments: views of
+    the call's numba_flash.extras.Extras, and `unused` where the spec has none. The slopes
+    are seen as (sequences, nheads): a (nheads,) array through a batch stride of 0 (copied
+    under the simulator, which takes whole buffers)."""
+    unused = kernel_extras_unused(unused)[0]
+    if not (spec.alibi or spec.varlen):
+        return unused, unused, unused
+    cu_q, cu_k = ((view(extras.cu_seqlens_q), view(extras.cu_seqlens_k)) if spec.varlen
+                  else (unused, unused))
+    slopes = unused
+    if spec.alibi:
+        slopes = view(extras.alibi_slopes)
+        if slopes.ndim == 1:
+            batch = int(cu_q.shape[0]) - 1 if spec.varlen else int(q_view.shape[0])
+            shape = (batch, int(slopes.shape[0]))
+            if isinstance(slopes, DeviceView):
+                slopes = DeviceView(slopes.ptr, shape, (0, slopes.strides[0]), slopes.dtype,
+                                    slopes.owner)
+            else:
+                slopes = np.ascontiguousarray(np.broadcast_to(slopes, shape))
+    return slopes, cu_q, cu_k
 
 
 def is_tile_ready(x_view, head_dim):

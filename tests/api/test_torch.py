@@ -46,6 +46,34 @@ def test_gradients_match_torch_math_attention(rng, mode, causal):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_alibi_gradients_match_torch_math_attention_with_the_bias(rng, mode):
+    """alibi_slopes through the autograd Function: torch's math attention with the ALiBi bias
+    as a float attn_mask (and the causal mask in it) gives the same output and gradients."""
+    device = "cuda" if mode == "gpu" else "cpu"
+    seqlen_q, seqlen_k = (17, 23) if mode == "simulator" else (300, 513)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.randn(2, n, 2, 32, generator=gen).to(device).requires_grad_()
+               for n in (seqlen_q, seqlen_k, seqlen_k))
+    slopes = (torch.rand(2, 2, generator=gen) + 0.1).to(device)
+    weight = torch.randn(2, seqlen_q, 2, 32, generator=gen).to(device)
+    out = numba_flash.torch.attention(q, k, v, causal=True, alibi_slopes=slopes, backend="numba")
+    (out * weight).sum().backward()
+
+    distance = (torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+                - torch.arange(seqlen_k)[None, :]).to(device)
+    bias = -slopes.double()[:, :, None, None] * distance.abs().double()
+    bias = bias.masked_fill(distance < 0, float("-inf"))  # causal: no key in the future
+    qh, kh, vh = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+    (ref.transpose(1, 2) * weight.double()).sum().backward()
+    assert float((out.detach().double() - ref.transpose(1, 2).detach()).abs().max()) < 1e-5
+    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), (qh, kh, vh)):
+        expected = leaf.grad.transpose(1, 2)
+        err = float((got.double() - expected).abs().max())
+        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_inside_a_model(rng, mode):
     """A tiny attention layer trains: the loss goes down over a few SGD steps."""
     device = "cuda" if mode == "gpu" else "cpu"

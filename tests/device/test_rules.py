@@ -133,18 +133,44 @@ def test_causal_is_the_window_minus_one_zero(window):
        s=st.floats(-1e4, 1e4, allow_nan=False))
 def test_softcap_is_the_reference_score_mod_in_log2_units(softcap, scale, s):
     spec = AttentionSpec(16, "float32", softcap=softcap)
-    active, score, score_and_grad, scales = make_score_mod(spec)
-    tile_scale, pre = scales(np.float32(scale * float(LOG2E)))
+    mod = make_score_mod(spec)
+    tile_scale, pre = mod.scales(np.float32(scale * float(LOG2E)))
     assert tile_scale == 1  # modified scores are in log2 units already
     want, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
-    got = score(np.float32(s), pre) / float(LOG2E)
-    got_too, grad = score_and_grad(np.float32(s), pre)
-    assert active and got_too == score(np.float32(s), pre)
+    args = (np.float32(s), pre, np.float32(0.0), 7, 3)  # (no ALiBi: slope and positions unused)
+    got = mod.score(*args) / float(LOG2E)
+    got_too, grad = mod.score_and_grad(*args)
+    assert mod.active and got_too == mod.score(*args)
     assert abs(got - want) <= 2e-6 * softcap + 1e-6 * abs(s * scale)
     assert abs(grad - want_grad) <= 1e-5
 
 
+@settings(max_examples=30, deadline=None)
+@given(softcap=st.sampled_from([0.0, 0.5, 20.0]), scale=st.floats(0.05, 2),
+       s=st.floats(-1e3, 1e3, allow_nan=False), slope=st.floats(0.0, 2.0),
+       query_pos=st.integers(-50, 50), key_pos=st.integers(0, 80))
+def test_alibi_adds_the_reference_bias_after_the_softcap(softcap, scale, s, slope, query_pos,
+                                                         key_pos):
+    spec = AttentionSpec(16, "float32", softcap=softcap, alibi=True)
+    mod = make_score_mod(spec)
+    _, pre = mod.scales(np.float32(scale * float(LOG2E)))
+    slopes = np.full((2, 3), np.nan, np.float32)
+    slopes[1, 2] = slope
+    slope_log2 = mod.head_slope(slopes, 1, 2)
+    assert abs(slope_log2 - slope * float(LOG2E)) <= 1e-6 * slope
+    capped, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
+    want = capped - np.float64(np.float32(slope)) * abs(query_pos - key_pos)
+    got_log2, grad = mod.score_and_grad(np.float32(s), pre, slope_log2, query_pos, key_pos)
+    assert mod.active
+    assert got_log2 == mod.score(np.float32(s), pre, slope_log2, query_pos, key_pos)
+    got = got_log2 / float(LOG2E)
+    assert abs(got - want) <= 2e-6 * (softcap + abs(s * scale) + slope * 130)
+    assert abs(grad - (1 if want_grad is None else want_grad)) <= 1e-5
+
+
 def test_without_a_score_mod_the_raw_score_goes_on():
-    active, _, score_and_grad, scales = make_score_mod(AttentionSpec(16, "float32"))
-    assert active is False and score_and_grad(np.float32(3.5), np.float32(7)) == (3.5, 1)
-    assert scales(np.float32(0.25)) == (0.25, 1)  # raw scores: the exponential scales them
+    mod = make_score_mod(AttentionSpec(16, "float32"))
+    assert mod.active is False
+    assert mod.score_and_grad(np.float32(3.5), np.float32(7), np.float32(2), 1, 9) == (3.5, 1)
+    assert mod.head_slope(None, 0, 0) == 0
+    assert mod.scales(np.float32(0.25)) == (0.25, 1)  # raw scores: the exponential scales them

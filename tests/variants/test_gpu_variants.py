@@ -1,10 +1,12 @@
 """The variants at real sizes on a CUDA GPU (`python -m pytest -m gpu`): every Numba engine and
-the cupy backend through the API, forward and backward, against float64 by the accuracy rule;
-GQA's dK/dV bitwise deterministic."""
+the cupy backend through the API, forward and backward, against float64 by the accuracy rule
+(varlen too); GQA's dK/dV bitwise deterministic."""
+import numpy as np
 import pytest
 from error_rule import assert_within_rule
 
 import numba_flash
+from numba_flash.extras import NO_EXTRAS, Extras
 from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 from numba_flash.testing import plain16_backward, plain16_forward, round16
@@ -20,6 +22,9 @@ CASES = [
     ("softcap-gqa2", (1, 1024, 1024, 4, 2, 128), dict(softcap=30.0, causal=True)),
     ("softcap-window-d256", (1, 600, 700, 2, 1, 256), dict(softcap=5.0, window_size=(64, 64))),
     ("rows-see-no-key", (1, 1200, 300, 2, 1, 64), dict(causal=True, window_size=(10, -1))),
+    ("alibi-causal-gqa2", (2, 1000, 1300, 4, 2, 128), dict(causal=True, alibi=True)),
+    ("alibi-softcap-window-d64", (1, 1100, 900, 4, 4, 64),
+     dict(alibi=True, softcap=20.0, window_size=(300, 50))),
 ]
 IDS = [case[0] for case in CASES]
 
@@ -54,10 +59,25 @@ def _plain(cp, dtype):
     CuPy in the dtype (float16, float32: the cupy backend's own computation, so it is checked
     against itself within 2x), emulated in float32 for bfloat16, which CuPy lacks."""
     if dtype == "bfloat16":
-        return (lambda *a: plain16_forward(cp, *a, dtype),
-                lambda *a: plain16_backward(cp, *a, dtype))
-    return (lambda *a: attention_forward(cp, *a, dtype),
-            lambda *a: attention_backward(cp, *a, dtype))
+        return (lambda *a: plain16_forward(cp, *a[:-1], dtype, a[-1]),
+                lambda *a: plain16_backward(cp, *a[:-1], dtype, a[-1]))
+    return (lambda *a: attention_forward(cp, *a[:-1], dtype, a[-1]),
+            lambda *a: attention_backward(cp, *a[:-1], dtype, a[-1]))
+
+
+def _slopes(cp, rng, options, batch, nheads, dtype):
+    """(options for the API, Extras for the references): ALiBi slopes (batch, nheads) for
+    options with alibi=True, as a torch tensor for bfloat16 (whose arrays are torch's)."""
+    options = dict(options)
+    if not options.pop("alibi", False):
+        return options, NO_EXTRAS
+    slopes = cp.asarray(rng.uniform(0.02, 0.5, (batch, nheads)), cp.float32)
+    if dtype == "bfloat16":
+        import torch
+        options["alibi_slopes"] = torch.from_dlpack(slopes)
+    else:
+        options["alibi_slopes"] = slopes
+    return options, Extras(slopes)
 
 
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
@@ -68,11 +88,13 @@ def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
     values = _values(cp, rng, shape, dtype)
     q, k, v, dout = values
     arrays = _as(values, dtype)
-    spec = make_spec(q, k, **options)
+    options, extras = _slopes(cp, rng, options, shape[0], shape[3], dtype)
+    spec = make_spec(q, k, alibi=extras.alibi_slopes is not None,
+                     **{key: x for key, x in options.items() if key != "alibi_slopes"})
     plain_forward, plain_backward = _plain(cp, dtype)
     out, lse = numba_flash.forward(*arrays[:3], backend=backend, **options)
-    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64")
-    base_out, base_lse = plain_forward(q, k, v, spec)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64", extras)
+    base_out, base_lse = plain_forward(q, k, v, spec, extras)
     assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
     assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), "float32")
 
@@ -86,8 +108,54 @@ def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
     grads = numba_flash.backward(arrays[3], *arrays[:3], out_arg, lse_arg, backend=backend,
                                  **options)
     assert [tuple(g.shape) for g in grads] == [q.shape, k.shape, v.shape]
-    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64")
-    bases = plain_backward(dout, q, k, v, out_in, lse_in, spec)
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64", extras)
+    bases = plain_backward(dout, q, k, v, out_in, lse_in, spec, extras)
+    for grad_name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(grad_name, _host(got), base.get(), ref.get(), dtype)
+
+
+VARLEN_LENGTHS = [(700, 700), (1, 40), (1500, 1200), (0, 30), (333, 0), (900, 1100)]
+
+
+@pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
+                                            ("numba-simt", "float32"), ("cupy", "float16")])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(alibi=True, window_size=(200, 64))],
+                         ids=["causal", "alibi-window"])
+def test_varlen_on_gpu(cp, rng, backend, dtype, options):
+    """Six packed sequences (one without keys, one without queries), GQA 8/2, d128."""
+    cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
+                  for side in zip(*VARLEN_LENGTHS))
+    max_q, max_k = (max(side) for side in zip(*VARLEN_LENGTHS))
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    values = []
+    for n, h in ((total_q, 8), (total_k, 2), (total_k, 2), (total_q, 8)):
+        x = cp.asarray(rng.standard_normal((n, h, 128)), cp.float32)
+        values.append(x if dtype == "float32" else round16(cp, x, dtype))
+    q, k, v, dout = values
+    arrays = _as(values, dtype)
+    options, extras = _slopes(cp, rng, options, len(VARLEN_LENGTHS), 8, dtype)
+    extras = extras._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    varlen = (cu_q, cu_k, max_q, max_k)
+    spec = make_spec(q, k, alibi=extras.alibi_slopes is not None, max_seqlens=(max_q, max_k),
+                     **{key: x for key, x in options.items() if key != "alibi_slopes"})
+    plain_forward, plain_backward = _plain(cp, dtype)
+    out, lse = numba_flash.forward_varlen(*arrays[:3], *varlen, backend=backend, **options)
+    assert tuple(lse.shape) == (8, total_q)
+    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64", extras)
+    base_out, base_lse = plain_forward(q, k, v, spec, extras)
+    assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
+    assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), "float32")
+    out_in = ref_out.astype(cp.float32) if dtype == "float32" else round16(cp, ref_out, dtype)
+    lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
+    out_arg, = _as([out_in], dtype)
+    lse_arg = lse_in
+    if dtype == "bfloat16":
+        import torch
+        lse_arg = torch.from_dlpack(lse_in)
+    grads = numba_flash.backward_varlen(arrays[3], *arrays[:3], out_arg, lse_arg, *varlen,
+                                        backend=backend, **options)
+    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64", extras)
+    bases = plain_backward(dout, q, k, v, out_in, lse_in, spec, extras)
     for grad_name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(grad_name, _host(got), base.get(), ref.get(), dtype)
 

@@ -15,7 +15,8 @@ from variant_cases import FIXED, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_option
 # cores being slow; bfloat16 differs from float16 only in the conversions: one case here,
 # more sampled.
 MMA_CASES = [case + ("float16",) for case in FIXED if case[0] in (
-    "mqa-causal", "gqa2-window-within-a-tile", "rows-that-see-no-key", "gqa4-softcap-causal")]
+    "mqa-causal", "gqa2-window-within-a-tile", "rows-that-see-no-key", "gqa4-softcap-causal",
+    "alibi-causal-gqa2", "varlen-causal-gqa2")]
 MMA_CASES.append(MMA_CASES[-1][:5] + ("bfloat16",))
 
 
@@ -29,9 +30,11 @@ def test_tensor_core_kernels(rng, name, shape, kv_heads, causal, options, dtype)
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_tensor_core_kernels_on_sampled_combinations(seqlen_q, seqlen_k, group, causal, window,
-                                                     softcap, seed, dtype):
-    """(one batch and one key/value head: the simulated tensor cores are slow)"""
+                                                     softcap, alibi, varlen, seed, dtype):
+    """(one batch, or two varlen sequences, and one key/value head: the simulated tensor
+    cores are slow)"""
     rng = np.random.default_rng(seed)
     shape, kv_heads = (1, seqlen_q, seqlen_k, group, 16), 1
-    run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **spec_options(window, softcap))
-    run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **spec_options(window, softcap))
+    options = spec_options(window, softcap, alibi, varlen, 2, seqlen_q, seqlen_k, seed)
+    run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **options)
+    run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **options)

@@ -5,7 +5,7 @@ are tests/mma_cases.py's)."""
 import numpy as np
 from error_rule import assert_within_rule
 from hypothesis import strategies as st
-from mma_cases import make_case_spec
+from mma_cases import Layout, make_case_spec
 
 from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
 from numba_flash.backends.numba.simt.bwd import launch_backward
@@ -30,41 +30,54 @@ FIXED = [
     ("gqa4-softcap-causal", (1, 18, 25, 4, 16), 1, True, dict(softcap=1.5)),
     ("softcap-left-window", (1, 33, 33, 1, 16), 1, False,
      dict(softcap=0.5, window_left=5, window_right=-1)),
+    ("alibi-causal-gqa2", (2, 13, 19, 4, 16), 2, True, dict(alibi=True)),
+    ("alibi-softcap-window", (1, 21, 17, 2, 16), 1, False,
+     dict(alibi=True, softcap=2.0, window_left=6, window_right=3)),
+    # varlen: (seqlen_q, seqlen_k) per sequence, with sequences without queries or keys
+    ("varlen-causal-gqa2", (4, 17, 21, 4, 16), 2, True,
+     dict(lengths=[(5, 9), (0, 4), (17, 21), (9, 0)])),
+    ("varlen-alibi-window", (3, 20, 20, 2, 16), 1, False,
+     dict(alibi=True, window_left=4, window_right=2, lengths=[(20, 20), (3, 7), (11, 5)])),
 ]
 FIXED_IDS = [case[0] for case in FIXED]
 
 
 def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     """The SIMT forward and backward (float32 arithmetic; float32 or float16 inputs)."""
-    batch, seqlen_q, seqlen_k, nheads, head_dim = shape
-    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options)
-    draw = lambda n, h: rng.standard_normal((batch, n, h, head_dim)).astype(dtype)  # noqa: E731
-    q, k, v, dout = (draw(n, h) for n, h in ((seqlen_q, nheads), (seqlen_k, kv_heads),
-                                             (seqlen_k, kv_heads), (seqlen_q, nheads)))
+    nheads = shape[3]
+    options = dict(options)
+    lengths = options.pop("lengths", None)
+    spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
+    case = Layout(rng, spec, shape, lengths)
+    q, k, v, dout = (case.draw(side, h).astype(dtype) for side, h in
+                     ((0, nheads), (1, kv_heads), (1, kv_heads), (0, nheads)))
     if dtype == "float32":
-        plain_forward = lambda *a: attention_forward(np, *a, np.float32)  # noqa: E731
-        plain_backward = lambda *a: attention_backward(np, *a, np.float32)  # noqa: E731
+        plain_forward = lambda *a: attention_forward(np, *a, np.float32, case.extras)  # noqa
+        plain_backward = lambda *a: attention_backward(np, *a, np.float32, case.extras)  # noqa
     else:
-        plain_forward = lambda *a: plain16_forward(np, *a, dtype)  # noqa: E731
-        plain_backward = lambda *a: plain16_backward(np, *a, dtype)  # noqa: E731
+        plain_forward = lambda *a: plain16_forward(np, *a, dtype, case.extras)  # noqa: E731
+        plain_backward = lambda *a: plain16_backward(np, *a, dtype, case.extras)  # noqa: E731
     out = np.full(q.shape, np.nan, dtype)  # poisoned
-    lse = np.full((batch, nheads, seqlen_q), np.nan, np.float32)
-    launch_forward(spec, q, k, v, out, lse, 0, SIMT_FORWARD, async_copy=async_copy)
-    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
-    base_out, base_lse = plain_forward(q, k, v, spec)
-    assert_within_rule("out", out, base_out, ref_out, dtype)
-    assert_within_rule("lse", lse, base_lse, ref_lse, "float32")
+    lse = np.full(case.lse_shape, np.nan, np.float32)
+    launch_forward(spec, q, k, v, out, lse, 0, SIMT_FORWARD, async_copy=async_copy,
+                   extras=case.kernel_extras(spec, lse))
+    refs = [case.ref(x) for x in (q, k, v)]
+    ref_out, ref_lse = attention_forward(np, *refs, spec, np.float64, case.extras)
+    base_out, base_lse = plain_forward(*refs, spec)
+    assert_within_rule("out", case.ref(out), base_out, ref_out, dtype)
+    assert_within_rule("lse", case.ref(lse), base_lse, ref_lse, "float32")
 
-    out = np.ascontiguousarray(ref_out, dtype)
-    lse = np.ascontiguousarray(ref_lse, np.float32)
+    out = np.ascontiguousarray(ref_out, dtype).reshape(q.shape)
+    lse = np.ascontiguousarray(ref_lse, np.float32).reshape(case.lse_shape)
     grads = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
     launch_backward(spec, dout, q, k, v, out, lse, delta, *grads, 0, async_copy=async_copy,
-                    config=SIMT_BACKWARD)
-    refs = attention_backward(np, dout, q, k, v, out, lse, spec, np.float64)
-    bases = plain_backward(dout, q, k, v, out, lse, spec)
+                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, lse))
+    ref_arrays = [case.ref(x) for x in (dout, q, k, v, out, lse)]
+    refs = attention_backward(np, *ref_arrays, spec, np.float64, case.extras)
+    bases = plain_backward(*ref_arrays, spec)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
-        assert_within_rule(name, got, base, ref, dtype)
+        assert_within_rule(name, case.ref(got), base, ref, dtype)
 
 
 WINDOW_SIDE = st.sampled_from([-1, -1, 0, 1, 3, 7, 20, 100])
@@ -72,8 +85,20 @@ OPTIONS = dict(
     seqlen_q=st.integers(1, 33), seqlen_k=st.integers(1, 33),
     group=st.sampled_from([1, 2, 4, 8]), causal=st.booleans(),
     window=st.tuples(WINDOW_SIDE, WINDOW_SIDE),
-    softcap=st.one_of(st.just(0.0), st.floats(0.2, 8.0)), seed=st.integers(0, 2**32 - 1))
+    softcap=st.one_of(st.just(0.0), st.floats(0.2, 8.0)), alibi=st.booleans(),
+    varlen=st.booleans(), seed=st.integers(0, 2**32 - 1))
 
 
-def spec_options(window, softcap):
-    return dict(window_left=window[0], window_right=window[1], softcap=softcap)
+def spec_options(window, softcap, alibi, varlen=False, batch=1, seqlen_q=1, seqlen_k=1,
+                 seed=0):
+    """The runners' options of a sampled case; with varlen, `batch` sequences of random
+    lengths up to seqlen_q and seqlen_k (0 included)."""
+    options = dict(window_left=window[0], window_right=window[1], softcap=softcap,
+                   alibi=alibi)
+    if varlen:
+        rng = np.random.default_rng(seed + 1)
+        lengths = [(int(rng.integers(0, seqlen_q + 1)), int(rng.integers(0, seqlen_k + 1)))
+                   for _ in range(batch)]
+        lengths[0] = (seqlen_q, seqlen_k)  # (the longest, so that the grid is the case's)
+        options["lengths"] = lengths
+    return options

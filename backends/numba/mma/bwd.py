@@ -13,6 +13,7 @@ P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved 
      straight into A fragments (dO and Q read with ldmatrix.trans).
   3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
      dS = P ∘ (dP − D), dQ += dS K.
+The score mods (softcap, ALiBi) and varlen's sequences are device/'s, as in the forward.
 With MmaBackwardConfig.d_split = 2 (head dim 256, whose dK and dV accumulators would not fit
 in a warp's registers) each (key or query tile, head) gets two blocks, each accumulating and
 writing one half of the head dim's columns; both compute the whole Sᵀ and dPᵀ (or S and dP).
@@ -32,9 +33,10 @@ from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
+from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import grad_score, lse_log2, probability
 from ..device.tile_copy import make_cp_async_loader
-from ..launch import launch
+from ..launch import kernel_extras_unused, launch
 from .config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                         make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
@@ -77,19 +79,23 @@ def mma_dk_dv_kernel_function(config, spec):
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
 
     @cuda.jit(device=True, inline="always")
-    def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, seqlen_q, stage):
-        """Q, dO (cp.async) and lse, D (plain stores) of query tile m0 into buffer `stage`."""
-        load_tile(q_tiles, BLOCK_M * stage, q, b, m0, h, seqlen_q, BLOCK_M)
-        load_tile(do_tiles, BLOCK_M * stage, dout, b, m0, h, seqlen_q, BLOCK_M)
+    def load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h, m0, q_end, stage):
+        """Q, dO (cp.async) and lse, D (plain stores) of the query tile at array row m0 into
+        buffer `stage` (rows at or past q_end: zeros, lse +inf)."""
+        load_tile(q_tiles, BLOCK_M * stage, q, b, m0, h, q_end, BLOCK_M)
+        load_tile(do_tiles, BLOCK_M * stage, dout, b, m0, h, q_end, BLOCK_M)
         for r in range(cuda.threadIdx.x, BLOCK_M, THREADS):
-            in_range = m0 + r < seqlen_q
+            in_range = m0 + r < q_end
             stats[2 * stage, r] = lse_log2(lse[b, h, m0 + r]) if in_range else POS_INF
             stats[2 * stage + 1, r] = delta[b, h, m0 + r] if in_range else ZERO
 
-    def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
+    def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
+                            alibi_slopes, cu_seqlens_q, cu_seqlens_k):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -98,9 +104,11 @@ def mma_dk_dv_kernel_function(config, spec):
         n0 = cuda.blockIdx.x * BLOCK_N
         h_kv = cuda.blockIdx.y // d_split  # the key/value head; its GROUP query heads summed
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dK, dV column
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        if VARLEN and n0 >= seqlen_k:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         key_lo = n0 + 16 * warp + g  # this lane's two keys (rows of Sᵀ)
@@ -123,16 +131,16 @@ def mma_dk_dv_kernel_function(config, spec):
 
         # Load: K and V of this key tile, once (and with two stages the first query tile, of
         # the group's first query head).
-        load_tile(k_tile, 0, k, b, n0, h_kv, seqlen_k, BLOCK_N)
-        load_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k, BLOCK_N)
+        load_tile(k_tile, 0, k, b, k_start + n0, h_kv, k_end, BLOCK_N)
+        load_tile(v_tile, 0, v, b, k_start + n0, h_kv, k_end, BLOCK_N)
         cp_async_commit()
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
         m_stop, span = group_walk(m_begin, m_end)
         h_first = h_kv * GROUP
         if STAGES == 2:
             if m_begin < m_end:
-                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h_first, m_begin,
-                             seqlen_q, 0)
+                load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h_first,
+                             q_start + m_begin, q_end, 0)
             cp_async_commit()
 
         # The lane's ldmatrix addresses (fragments.py): K and V (this warp's 16 keys) as A
@@ -144,18 +152,19 @@ def mma_dk_dv_kernel_function(config, spec):
         stage = 0
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)
+            slope = head_slope(alibi_slopes, seq, h_first + head)
             # Load: this query tile (one stage), or the next one, of this head or the next,
             # behind this one (two stages).
             if STAGES == 2:
                 if step + BLOCK_M < m_stop:
                     next_head, m_next = walk_position(step + BLOCK_M, m_begin, span)
                     load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b,
-                                 h_first + next_head, m_next, seqlen_q, 1 - stage)
+                                 h_first + next_head, q_start + m_next, q_end, 1 - stage)
                 cp_async_commit()  # (empty on the last tile: the counting stays uniform)
                 cp_async_wait(1)  # everything but the next tile has landed
             else:
                 load_queries(q_tiles, do_tiles, stats, q, dout, lse, delta, b, h_first + head,
-                             m0, seqlen_q, 0)
+                             q_start + m0, q_end, 0)
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: K, V, Q, dO, lse, D tiles complete before any warp reads
@@ -170,7 +179,8 @@ def mma_dk_dv_kernel_function(config, spec):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    score, dscore = score_and_grad(s[0, nq, r], pre)
+                    score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c + offset,
+                                                   key_lo + 8 * (r // 2))
                     p = probability(score, tile_scale, stats[2 * stage, c])
                     if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset):
                         p = ZERO
@@ -186,8 +196,9 @@ def mma_dk_dv_kernel_function(config, spec):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dK and dV.
-        store(dk, dk_acc, 0, b, key_lo, h_kv, col0, seqlen_k, softmax_scale, softmax_scale)
-        store(dv, dv_acc, 0, b, key_lo, h_kv, col0, seqlen_k, ONE, ONE)
+        store(dk, dk_acc, 0, b, k_start + key_lo, h_kv, col0, k_end, softmax_scale,
+              softmax_scale)
+        store(dv, dv_acc, 0, b, k_start + key_lo, h_kv, col0, k_end, ONE, ONE)
 
     return flash_bwd_dk_dv_mma
 
@@ -217,14 +228,17 @@ def mma_dq_kernel_function(config, spec):
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
 
     @cuda.jit(device=True, inline="always")
-    def load_keys(k_tiles, v_tiles, k, v, b, h, n0, seqlen_k, stage):
-        load_tile(k_tiles, BLOCK_N * stage, k, b, n0, h, seqlen_k, BLOCK_N)
-        load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, seqlen_k, BLOCK_N)
+    def load_keys(k_tiles, v_tiles, k, v, b, h, n0, k_end, stage):
+        load_tile(k_tiles, BLOCK_N * stage, k, b, n0, h, k_end, BLOCK_N)
+        load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, k_end, BLOCK_N)
 
-    def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
+    def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
+                         cu_seqlens_q, cu_seqlens_k):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -234,17 +248,20 @@ def mma_dq_kernel_function(config, spec):
         h = cuda.blockIdx.y // d_split
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dQ column
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
+                                                           cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8
-        lse_lo = lse_log2(lse[b, h, row_lo]) if row_lo < seqlen_q else POS_INF
-        lse_hi = lse_log2(lse[b, h, row_hi]) if row_hi < seqlen_q else POS_INF
-        delta_lo = delta[b, h, row_lo] if row_lo < seqlen_q else ZERO
-        delta_hi = delta[b, h, row_hi] if row_hi < seqlen_q else ZERO
+        lse_lo = lse_log2(lse[b, h, q_start + row_lo]) if row_lo < seqlen_q else POS_INF
+        lse_hi = lse_log2(lse[b, h, q_start + row_hi]) if row_hi < seqlen_q else POS_INF
+        delta_lo = delta[b, h, q_start + row_lo] if row_lo < seqlen_q else ZERO
+        delta_hi = delta[b, h, q_start + row_hi] if row_hi < seqlen_q else ZERO
 
         smem = cuda.shared.array(0, uint16, SHARED_ALIGN)  # dynamic: Q, dO, K, V tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, uint16)
@@ -260,13 +277,13 @@ def mma_dq_kernel_function(config, spec):
                 dq_acc[0, db, r] = ZERO
 
         # Load: Q and dO of this query tile, once (and with two stages the first key tile).
-        load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
-        load_tile(do_tile, 0, dout, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(q_tile, 0, q, b, q_start + m0, h, q_end, BLOCK_M)
+        load_tile(do_tile, 0, dout, b, q_start + m0, h, q_end, BLOCK_M)
         cp_async_commit()
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
         if STAGES == 2:
             if n_begin < n_end:
-                load_keys(k_tiles, v_tiles, k, v, b, h_kv, n_begin, seqlen_k, 0)
+                load_keys(k_tiles, v_tiles, k, v, b, h_kv, k_start + n_begin, k_end, 0)
             cp_async_commit()
 
         # The lane's ldmatrix addresses (fragments.py): Q and dO (this warp's 16 queries) as
@@ -280,12 +297,12 @@ def mma_dq_kernel_function(config, spec):
             # Load: this key tile (one stage), or the next one behind this one (two stages).
             if STAGES == 2:
                 if n0 + BLOCK_N < n_end:
-                    load_keys(k_tiles, v_tiles, k, v, b, h_kv, n0 + BLOCK_N, seqlen_k,
+                    load_keys(k_tiles, v_tiles, k, v, b, h_kv, k_start + n0 + BLOCK_N, k_end,
                               1 - stage)
                 cp_async_commit()  # (empty on the last tile: the counting stays uniform)
                 cp_async_wait(1)  # everything but the next tile has landed
             else:
-                load_keys(k_tiles, v_tiles, k, v, b, h_kv, n0, seqlen_k, 0)
+                load_keys(k_tiles, v_tiles, k, v, b, h_kv, k_start + n0, k_end, 0)
                 cp_async_commit()
                 cp_async_wait(0)
             cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
@@ -299,7 +316,8 @@ def mma_dq_kernel_function(config, spec):
                 for r in range(4):
                     hi = r >= 2
                     col = n0 + 8 * nb + 2 * t + r % 2
-                    score, dscore = score_and_grad(s[0, nb, r], pre)
+                    score, dscore = score_and_grad(s[0, nb, r], pre, slope,
+                                                   (row_hi if hi else row_lo) + offset, col)
                     p = probability(score, tile_scale, lse_hi if hi else lse_lo)
                     if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset):
                         p = ZERO
@@ -315,7 +333,7 @@ def mma_dq_kernel_function(config, spec):
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
         # Epilogue: one write of dQ.
-        store(dq, dq_acc, 0, b, row_lo, h, col0, seqlen_q, softmax_scale, softmax_scale)
+        store(dq, dq_acc, 0, b, q_start + row_lo, h, col0, q_end, softmax_scale, softmax_scale)
 
     return flash_bwd_dq_mma
 
@@ -328,13 +346,16 @@ def mma_backward_kernels(config, spec):
 
 
 def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
-                        config=None):
+                        config=None, extras=None):
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
     16-byte aligned rows, headdim the padded head dim; lse, delta (scratch): float32 (batch,
-    nheads, seqlen_q). `config` overrides mma_backward_config (tests, tuning)."""
+    nheads, seqlen_q). `extras` as launch_mma_forward's. `config` overrides
+    mma_backward_config (tests, tuning)."""
     check_rows_contiguous(dout=dout, q=q, k=k, v=v)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k = k.shape[1]
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
+    seqlen_k, _ = grid_extent(spec, k, extras[2], 1)
     config = config or mma_backward_config(head_dim)
     if config is None:
         raise ValueError(f"no tensor-core backward config for head_dim {head_dim} (the engine "
@@ -349,6 +370,6 @@ def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream
     split_heads = nheads * config.d_split  # (head, part of the head dim) per blockIdx.y
     kv_split_heads = k.shape[2] * config.d_split  # dK, dV: per key/value head (GQA)
     launch(dk_dv_kernel, (-(-seqlen_k // rows), kv_split_heads, batch), threads, stream,
-           dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+           dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras)
     launch(dq_kernel, (-(-seqlen_q // rows), split_heads, batch), threads, stream, dq_bytes,
-           q, k, v, dout, lse, delta, dq, scale_log2, scale)
+           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras)

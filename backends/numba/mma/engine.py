@@ -39,22 +39,26 @@ class MmaEngine(Engine):
                     f"{cc[0]}.{cc[1]}")
         return None
 
-    def forward(self, spec, q, k, v, out, lse, alloc, stream):
+    def forward(self, spec, q, k, v, out, lse, alloc, stream, extras):
         head_dim = mma_head_dim(spec.head_dim)
         inputs = [marshal.tile_ready_input(x, alloc, head_dim, stream, bits=True)
                   for x in (q, k, v)]
         out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
-        launch_mma_forward(spec, *inputs, out_view, marshal.view(lse), stream)
+        lse_view = marshal.view(lse)
+        launch_mma_forward(spec, *inputs, out_view, lse_view, stream,
+                           extras=marshal.kernel_extras(spec, extras, inputs[0], lse_view))
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 
-    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream):
+    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         head_dim = mma_head_dim(spec.head_dim)
         inputs = [marshal.tile_ready_input(x, alloc, head_dim, stream, bits=True)
                   for x in (dout, q, k, v, out)]
         outputs = [marshal.tile_ready_output(g, alloc, head_dim) for g in grads]
-        launch_mma_backward(spec, *inputs, marshal.view(lse), marshal.view(delta),
-                            *(kernel_view for kernel_view, _ in outputs), stream)
+        lse_view = marshal.view(lse)
+        launch_mma_backward(spec, *inputs, lse_view, marshal.view(delta),
+                            *(kernel_view for kernel_view, _ in outputs), stream,
+                            extras=marshal.kernel_extras(spec, extras, inputs[1], lse_view))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)

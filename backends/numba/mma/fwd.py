@@ -10,7 +10,8 @@ BLOCK_N keys are shared by the warps.
   - S = Q Kᵀ per warp (fragments.make_warp_scores): mma with B fragments ldmatrix'ed from
     the K tile (stored [key][d], which is Kᵀ in the column-major layout mma wants for B).
   - GQA: the block of query head h reads key/value head h // group. A score mod
-    (device/score_mod.py: softcap) replaces each score in registers before the mask.
+    (device/score_mod.py: softcap, ALiBi) replaces each score in registers before the mask.
+    varlen: grid.z runs over the packed sequences (device/sequence.py).
   - Online softmax on the S accumulators in registers (device/softmax.py), log2 units, the
     row max/sum of a row combined over its 4 lanes with shuffles; the mask (device/mask.py)
     only on partial tiles (device/block_range.py).
@@ -37,9 +38,10 @@ from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, l
                                  opaque, shared_tile, shfl_xor)
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
+from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize, online_update, probability
 from ..device.tile_copy import make_cp_async_loader
-from ..launch import launch
+from ..launch import kernel_extras_unused, launch
 from .config import ROW_PAD, mma_forward_config, mma_forward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                         make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
@@ -89,20 +91,26 @@ def mma_forward_kernel_function(config, spec):
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
                                                   score_mod.scales)
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
 
-    def flash_forward_mma(q, k, v, out, lse, scale_log2):
+    def flash_forward_mma(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
+                          cu_seqlens_k):
         lane = cuda.threadIdx.x % WARP
         g = lane // 4  # the lane's row within an 8-row group
         t = lane % 4  # the lane's column pair
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
+                                                           cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
@@ -131,11 +139,11 @@ def mma_forward_kernel_function(config, spec):
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
 
         # Load: Q, then the first K and V tiles, as three commit groups.
-        load_tile(q_tile, 0, q, b, m0, h, seqlen_q, BLOCK_M)
+        load_tile(q_tile, 0, q, b, q_start + m0, h, q_end, BLOCK_M)
         cp_async_commit()
-        load_tile(k_tile, 0, k, b, n_begin, h_kv, seqlen_k, BLOCK_N)
+        load_tile(k_tile, 0, k, b, k_start + n_begin, h_kv, k_end, BLOCK_N)
         cp_async_commit()
-        load_tile(v_tile, 0, v, b, n_begin, h_kv, seqlen_k, BLOCK_N)
+        load_tile(v_tile, 0, v, b, k_start + n_begin, h_kv, k_end, BLOCK_N)
         cp_async_commit()
         cp_async_wait(2)
         cuda.syncthreads()  # why: the Q tile is complete before ldmatrix reads it
@@ -165,7 +173,7 @@ def mma_forward_kernel_function(config, spec):
 
             # Load: the next K tile, behind the softmax and P·V of this one.
             if n0 + BLOCK_N < n_end:
-                load_tile(k_tile, 0, k, b, n0 + BLOCK_N, h_kv, seqlen_k, BLOCK_N)
+                load_tile(k_tile, 0, k, b, k_start + n0 + BLOCK_N, h_kv, k_end, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
             partial = is_partial(m0, n0, seqlen_q, seqlen_k)
@@ -174,7 +182,9 @@ def mma_forward_kernel_function(config, spec):
                 if SCORE_MOD:  # (before the mask, which must leave -inf)
                     for nb in range(NB):
                         for r in range(4):
-                            s[sl, nb, r] = modified_score(s[sl, nb, r], pre)
+                            s[sl, nb, r] = modified_score(
+                                s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2) + offset,
+                                n0 + 8 * nb + 2 * t + r % 2)
                 # Mask: -inf where the row does not see the key (partial tiles only).
                 if partial:
                     for nb in range(NB):
@@ -215,7 +225,7 @@ def mma_forward_kernel_function(config, spec):
 
             # Load: the next V tile, behind the next S = Q Kᵀ.
             if n0 + BLOCK_N < n_end:
-                load_tile(v_tile, 0, v, b, n0 + BLOCK_N, h_kv, seqlen_k, BLOCK_N)
+                load_tile(v_tile, 0, v, b, k_start + n0 + BLOCK_N, h_kv, k_end, BLOCK_N)
             cp_async_commit()
         cp_async_wait(0)  # nothing may be left in flight into shared memory at exit
 
@@ -228,8 +238,8 @@ def mma_forward_kernel_function(config, spec):
                     l_row += shfl_xor(l_row, mask)
                 inv_l[half], lse_row = finalize(l_row, m_i[sl, half])
                 if t == 0 and row_lo + 8 * half < seqlen_q:
-                    lse[b, h, row_lo + 8 * half] = lse_row
-            store(out, acc, sl, b, row_lo, h, 0, seqlen_q, inv_l[0], inv_l[1])
+                    lse[b, h, q_start + row_lo + 8 * half] = lse_row
+            store(out, acc, sl, b, q_start + row_lo, h, 0, q_end, inv_l[0], inv_l[1])
 
     return flash_forward_mma
 
@@ -239,13 +249,16 @@ def mma_forward_kernel(config, spec):
     return cuda.jit(mma_forward_kernel_function(config, spec), cache=True)
 
 
-def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None):
+def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None):
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run at;
-    lse: float32 (batch, nheads, seqlen_q). `config` overrides mma_forward_config (tests,
-    tuning)."""
+    lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
+    cu_seqlens_q, cu_seqlens_k) (marshal.kernel_extras), for a spec that has them. `config`
+    overrides mma_forward_config (tests, tuning)."""
     check_rows_contiguous(q=q, k=k, v=v)
-    batch, seqlen_q, nheads, head_dim = q.shape
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
     config = config or mma_forward_config(head_dim)
     if config is None:
         raise ValueError(f"no tensor-core forward config for head_dim {head_dim} (the engine "
@@ -253,4 +266,4 @@ def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None):
     kernel = mma_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     launch(kernel, grid, WARP * config.warps, stream, mma_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)))
+           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras)

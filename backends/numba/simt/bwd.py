@@ -20,7 +20,8 @@ its products, so with config.stages = 2 they are double-buffered: the copy of ti
 for aligned float32) runs while tile j is used, one block barrier per tile. P and dS rows are
 written and read by the warp that owns them, so a warp barrier orders them. Scores are in log2
 units (scaled by softmax_scale·log2(e) as they come out of the product, lse by log2(e));
-the tile ranges, the mask and the softmax rules are device/'s.
+the tile ranges, the mask, the score mods, the softmax rules and varlen's sequences are
+device/'s.
 """
 import functools
 
@@ -33,9 +34,10 @@ from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
+from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import grad_score, lse_log2, probability
 from ..gpu import SHARED_MEMORY_BYTES
-from ..launch import launch
+from ..launch import kernel_extras_unused, launch
 from .config import simt_backward_config, simt_backward_shared_bytes
 from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
                     make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
@@ -72,17 +74,22 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
 
-    def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale):
+    def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
+                        alibi_slopes, cu_seqlens_q, cu_seqlens_k):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
         n0 = cuda.blockIdx.x * BLOCK_N
         h_kv = cuda.blockIdx.y  # the key/value head; its GROUP query heads are summed over
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        if VARLEN and n0 >= seqlen_k:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
 
@@ -112,20 +119,22 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         m_stop, span = group_walk(m_begin, m_end)
         h_first = h_kv if GROUP == 1 else h_kv * GROUP  # (so with GROUP = 1: blockIdx.y,
         #                                                  whose range spares index checks)
-        load_k_tile(k_tile, 0, k, b, n0, h_kv, seqlen_k)
-        load_k_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k)
-        load_q_tile(q_tiles, 0, q, b, m_begin, h_first, seqlen_q)
-        load_q_tile(do_tiles, 0, dout, b, m_begin, h_first, seqlen_q)
+        load_k_tile(k_tile, 0, k, b, k_start + n0, h_kv, k_end)
+        load_k_tile(v_tile, 0, v, b, k_start + n0, h_kv, k_end)
+        load_q_tile(q_tiles, 0, q, b, q_start + m_begin, h_first, q_end)
+        load_q_tile(do_tiles, 0, dout, b, q_start + m_begin, h_first, q_end)
         commit_loads()
         r = cuda.threadIdx.x  # this thread's row of the lse and D tiles, if < BLOCK_M
         if r < BLOCK_M:
             in_range = m_begin + r < seqlen_q
-            lse_tiles[0, r] = lse_log2(lse[b, h_first, m_begin + r]) if in_range else POS_INF
-            delta_tiles[0, r] = delta[b, h_first, m_begin + r] if in_range else ZERO
+            row = q_start + m_begin + r
+            lse_tiles[0, r] = lse_log2(lse[b, h_first, row]) if in_range else POS_INF
+            delta_tiles[0, r] = delta[b, h_first, row] if in_range else ZERO
 
         stage = 0
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
-            _, m0 = walk_position(step, m_begin, span)  # (this tile's head: loaded already)
+            head, m0 = walk_position(step, m_begin, span)  # (this tile's: loaded already)
+            slope = head_slope(alibi_slopes, seq, h_first + head)
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
             # Load: the next query tile (of this head or the next) into the other stage (two
@@ -136,14 +145,15 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             h_next = h_first if GROUP == 1 else h_first + next_head
             nxt = 1 - stage if STAGES == 2 else 0
             if STAGES == 2 and has_next:
-                load_q_tile(q_tiles, nxt * BLOCK_M, q, b, m_next, h_next, seqlen_q)
-                load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, m_next, h_next, seqlen_q)
+                load_q_tile(q_tiles, nxt * BLOCK_M, q, b, q_start + m_next, h_next, q_end)
+                load_q_tile(do_tiles, nxt * BLOCK_M, dout, b, q_start + m_next, h_next, q_end)
             commit_loads()
             # (past the group's last tile, next_head is out of the group: nothing is read)
             next_in_range = (r < BLOCK_M and (GROUP == 1 or has_next)
                              and m_next + r < seqlen_q)
-            next_lse = lse[b, h_next, m_next + r] if next_in_range else ZERO
-            next_delta = delta[b, h_next, m_next + r] if next_in_range else ZERO
+            next_row = q_start + m_next + r
+            next_lse = lse[b, h_next, next_row] if next_in_range else ZERO
+            next_delta = delta[b, h_next, next_row] if next_in_range else ZERO
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ; then P = exp2(S - lse), dS = P (dP - D)
             # (times the score mod's derivative).
@@ -156,7 +166,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
                 for j in range(TQ):
                     query = tx + LANE_COLS * j
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    score, dscore = score_and_grad(s[i, j], pre)
+                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query + offset,
+                                                   n0 + key)
                     p = probability(score, tile_scale, lse_tiles[stage, query])
                     if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
@@ -171,8 +182,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             if STAGES == 1:
                 cuda.syncthreads()  # why: every read of the one stage done before reloading
                 if has_next:
-                    load_q_tile(q_tiles, 0, q, b, m_next, h_next, seqlen_q)
-                    load_q_tile(do_tiles, 0, dout, b, m_next, h_next, seqlen_q)
+                    load_q_tile(q_tiles, 0, q, b, q_start + m_next, h_next, q_end)
+                    load_q_tile(do_tiles, 0, dout, b, q_start + m_next, h_next, q_end)
                 commit_loads()
             if r < BLOCK_M:
                 lse_tiles[nxt, r] = lse_log2(next_lse) if next_in_range else POS_INF
@@ -181,8 +192,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
 
         # Epilogue: one write of dK and dV (key rows past seqlen_k, whose zero K rows gave
         # them nonzero P, are not written).
-        store_tile(dk, dk_acc, b, n0, h_kv, seqlen_k, ty, tx, softmax_scale)
-        store_tile(dv, dv_acc, b, n0, h_kv, seqlen_k, ty, tx, ONE)
+        store_tile(dk, dk_acc, b, k_start + n0, h_kv, k_end, ty, tx, softmax_scale)
+        store_tile(dv, dv_acc, b, k_start + n0, h_kv, k_end, ty, tx, ONE)
 
     return flash_bwd_dk_dv
 
@@ -210,20 +221,26 @@ def _dq_kernel_function(config, spec, async_copy):
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
 
-    def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale):
+    def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
+                     cu_seqlens_q, cu_seqlens_k):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
+                                                           cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -239,18 +256,18 @@ def _dq_kernel_function(config, spec, async_copy):
         delta_i = cuda.local.array(TM, float32)
         for i in range(TM):
             row = m0 + ty + LANE_ROWS * i
-            lse_i[i] = lse_log2(lse[b, h, row]) if row < seqlen_q else POS_INF
-            delta_i[i] = delta[b, h, row] if row < seqlen_q else ZERO
+            lse_i[i] = lse_log2(lse[b, h, q_start + row]) if row < seqlen_q else POS_INF
+            delta_i[i] = delta[b, h, q_start + row] if row < seqlen_q else ZERO
             for c in range(4 * CHUNKS):
                 dq_acc[i, c] = ZERO
 
         # Load: Q and dO, once; K and V of the first key tile into stage 0.
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
-        load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
-        load_q_tile(do_tile, 0, dout, b, m0, h, seqlen_q)
+        load_q_tile(q_tile, 0, q, b, q_start + m0, h, q_end)
+        load_q_tile(do_tile, 0, dout, b, q_start + m0, h, q_end)
         if n_begin < n_end:
-            load_k_tile(k_tiles, 0, k, b, n_begin, h_kv, seqlen_k)
-            load_k_tile(v_tiles, 0, v, b, n_begin, h_kv, seqlen_k)
+            load_k_tile(k_tiles, 0, k, b, k_start + n_begin, h_kv, k_end)
+            load_k_tile(v_tiles, 0, v, b, k_start + n_begin, h_kv, k_end)
         commit_loads()
 
         stage = 0
@@ -261,8 +278,8 @@ def _dq_kernel_function(config, spec, async_copy):
             n_next = n0 + BLOCK_N
             nxt = 1 - stage if STAGES == 2 else 0
             if STAGES == 2 and n_next < n_end:
-                load_k_tile(k_tiles, nxt * BLOCK_N, k, b, n_next, h_kv, seqlen_k)
-                load_k_tile(v_tiles, nxt * BLOCK_N, v, b, n_next, h_kv, seqlen_k)
+                load_k_tile(k_tiles, nxt * BLOCK_N, k, b, k_start + n_next, h_kv, k_end)
+                load_k_tile(v_tiles, nxt * BLOCK_N, v, b, k_start + n_next, h_kv, k_end)
             commit_loads()
 
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse); dS = P (dP - D).
@@ -274,7 +291,8 @@ def _dq_kernel_function(config, spec, async_copy):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
                     key = tx + LANE_COLS * j
-                    score, dscore = score_and_grad(s[i, j], pre)
+                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query + offset,
+                                                   n0 + key)
                     p = probability(score, tile_scale, lse_i[i])
                     if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
                         p = ZERO
@@ -286,14 +304,14 @@ def _dq_kernel_function(config, spec, async_copy):
             if STAGES == 1:
                 cuda.syncthreads()  # why: every read of the one stage done before reloading
                 if n_next < n_end:
-                    load_k_tile(k_tiles, 0, k, b, n_next, h_kv, seqlen_k)
-                    load_k_tile(v_tiles, 0, v, b, n_next, h_kv, seqlen_k)
+                    load_k_tile(k_tiles, 0, k, b, k_start + n_next, h_kv, k_end)
+                    load_k_tile(v_tiles, 0, v, b, k_start + n_next, h_kv, k_end)
                 commit_loads()
             stage = nxt
         wait_loads()  # (with no key tile, the copies of Q and dO are still in flight)
 
         # Epilogue: one write of dQ.
-        store_tile(dq, dq_acc, b, m0, h, seqlen_q, ty, tx, softmax_scale)
+        store_tile(dq, dq_acc, b, q_start + m0, h, q_end, ty, tx, softmax_scale)
 
     return flash_bwd_dq
 
@@ -314,13 +332,17 @@ def backward_kernels(config, spec, async_copy=False):
 
 
 def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
-                    async_copy=False, shared_limit=SHARED_MEMORY_BYTES, config=None):
+                    async_copy=False, shared_limit=SHARED_MEMORY_BYTES, config=None,
+                    extras=None):
     """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q)
     scratch. For bfloat16 the arrays of q's shape and k's are uint16 views of bfloat16 data;
-    with async_copy, q, k, v and dout are read by cp.async. The config is the first for the
-    head dim that fits `shared_limit` bytes of shared memory, unless `config` names one."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k = k.shape[1]
+    with async_copy, q, k, v and dout are read by cp.async; `extras` as launch_forward's. The
+    config is the first for the head dim that fits `shared_limit` bytes of shared memory,
+    unless `config` names one."""
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
+    seqlen_k, _ = grid_extent(spec, k, extras[2], 1)
     config = config or simt_backward_config(head_dim, shared_limit)
     dk_dv_kernel, dq_kernel = backward_kernels(config, spec.for_kernels(), async_copy)
     dk_dv_bytes, dq_bytes = simt_backward_shared_bytes(config, head_dim)
@@ -329,7 +351,7 @@ def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "float", stream)
     dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), k.shape[2], batch)  # per k/v head
     launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, dk_dv_bytes,
-           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale)
+           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras)
     dq_grid = (-(-seqlen_q // config.dq_tiles[0]), nheads, batch)
     launch(dq_kernel, dq_grid, config.threads, stream, dq_bytes,
-           q, k, v, dout, lse, delta, dq, scale_log2, scale)
+           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras)

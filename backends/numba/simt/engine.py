@@ -45,16 +45,19 @@ class SimtEngine(Engine):
             return [marshal.tile_ready_input(x, alloc, spec.head_dim, stream) for x in arrays]
         return [marshal.view(x, spec.bf16) for x in arrays]
 
-    def forward(self, spec, q, k, v, out, lse, alloc, stream):
+    def forward(self, spec, q, k, v, out, lse, alloc, stream, extras):
         async_copy, shared_limit = self._loads(spec, q)
         inputs = self._inputs(spec, (q, k, v), async_copy, alloc, stream)
-        launch_forward(spec, *inputs, marshal.view(out, spec.bf16), marshal.view(lse), stream,
-                       async_copy=async_copy, shared_limit=shared_limit)
+        lse_view = marshal.view(lse)
+        launch_forward(spec, *inputs, marshal.view(out, spec.bf16), lse_view, stream,
+                       async_copy=async_copy, shared_limit=shared_limit,
+                       extras=marshal.kernel_extras(spec, extras, inputs[0], lse_view))
 
-    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream):
+    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         async_copy, shared_limit = self._loads(spec, q)
         dout, q, k, v = self._inputs(spec, (dout, q, k, v), async_copy, alloc, stream)
         views = ([marshal.view(out, spec.bf16), marshal.view(lse), marshal.view(delta)]
                  + [marshal.view(g, spec.bf16) for g in grads])
         launch_backward(spec, dout, q, k, v, *views, stream, async_copy=async_copy,
-                        shared_limit=shared_limit)
+                        shared_limit=shared_limit,
+                        extras=marshal.kernel_extras(spec, extras, q, views[1]))

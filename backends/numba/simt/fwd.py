@@ -22,8 +22,9 @@ when the max grows, `acc` and `l_i` are rescaled by exp(m_old - m_new). Scores a
 softmax_scale·log2(e) so that every exponential is one exp2. The output tile and the row
 log-sum-exp are written once, at the end. Key tiles wholly masked are never visited, and only
 partial tiles (device/block_range.py) apply the mask (device/mask.py). A score mod
-(device/score_mod.py: softcap) replaces each score before the mask. With GQA the block reads
-the K and V of its query head's key/value head, h // group.
+(device/score_mod.py: softcap, ALiBi) replaces each score before the mask. With GQA the block
+reads the K and V of its query head's key/value head, h // group; with varlen, grid.z runs over
+the packed sequences (device/sequence.py).
 """
 import functools
 
@@ -35,9 +36,10 @@ from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
+from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize, online_update, probability
 from ..gpu import SHARED_MEMORY_BYTES
-from ..launch import launch
+from ..launch import kernel_extras_unused, launch
 from .config import simt_forward_config, simt_forward_shared_bytes
 from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
                     make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
@@ -70,22 +72,27 @@ def forward_kernel_function(config, spec, async_copy=False):
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
                                                   score_mod.scales)
-    GROUP = spec.group
+    head_slope = score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
-    def flash_forward(q, k, v, out, lse, scale_log2):
+    def flash_forward(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b = cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
+                                                           cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence)
+        q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -106,16 +113,16 @@ def forward_kernel_function(config, spec, async_copy=False):
 
         # Load: the Q tile and the first K tile.
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
-        load_q_tile(q_tile, 0, q, b, m0, h, seqlen_q)
+        load_q_tile(q_tile, 0, q, b, q_start + m0, h, q_end)
         if n_begin < n_end:
-            load_kv_tile(k_tile, 0, k, b, n_begin, h_kv, seqlen_k)
+            load_kv_tile(k_tile, 0, k, b, k_start + n_begin, h_kv, k_end)
         commit_loads()
 
         for n0 in range(n_begin, n_end, BLOCK_N):
             wait_loads()
             cuda.syncthreads()  # why: K tile (and Q) complete; P·V of the last tile is done
             # Load: this tile's V, in flight while the scores and the softmax run.
-            load_kv_tile(v_tile, 0, v, b, n0, h_kv, seqlen_k)
+            load_kv_tile(v_tile, 0, v, b, k_start + n0, h_kv, k_end)
             commit_loads()
 
             # Scores: S = Q Kᵀ for this thread's register tile (through the score mod); -inf
@@ -124,7 +131,9 @@ def forward_kernel_function(config, spec, async_copy=False):
             if SCORE_MOD:
                 for i in range(TM):
                     for j in range(TN):
-                        s[i, j] = modified_score(s[i, j], pre)
+                        s[i, j] = modified_score(s[i, j], pre, slope,
+                                                 m0 + ty + LANE_ROWS * i + offset,
+                                                 n0 + tx + LANE_COLS * j)
             if is_partial(m0, n0, seqlen_q, seqlen_k):
                 for i in range(TM):
                     for j in range(TN):
@@ -155,7 +164,7 @@ def forward_kernel_function(config, spec, async_copy=False):
             cuda.syncthreads()  # why: V tile complete, P tile written; K tile reads are done
             # Load: the next K tile, in flight while P·V runs.
             if n0 + BLOCK_N < n_end:
-                load_kv_tile(k_tile, 0, k, b, n0 + BLOCK_N, h_kv, seqlen_k)
+                load_kv_tile(k_tile, 0, k, b, k_start + n0 + BLOCK_N, h_kv, k_end)
             commit_loads()
 
             # Accumulate: acc += P V.
@@ -171,8 +180,8 @@ def forward_kernel_function(config, spec, async_copy=False):
             inv_l[i], lse_row = finalize(l_row, m_i[i])
             row = m0 + ty + LANE_ROWS * i
             if tx == 0 and row < seqlen_q:
-                lse[b, h, row] = lse_row
-        store(out, acc, b, m0, h, seqlen_q, ty, tx, inv_l)
+                lse[b, h, q_start + row] = lse_row
+        store(out, acc, b, q_start + m0, h, q_end, ty, tx, inv_l)
 
     return flash_forward
 
@@ -184,15 +193,19 @@ def forward_kernel(config, spec, async_copy=False):
 
 
 def launch_forward(spec, q, k, v, out, lse, stream=0, config=None, async_copy=False,
-                   shared_limit=SHARED_MEMORY_BYTES):
+                   shared_limit=SHARED_MEMORY_BYTES, extras=None):
     """Launch the SIMT forward on device (or, under the simulator, host) arrays; for bfloat16,
     q, k, v, out are uint16 views of bfloat16 data; with async_copy, q, k, v are read by
-    cp.async (see forward_kernel_function). The config is the first for the head dim that
-    fits `shared_limit` bytes of shared memory, unless `config` names one (for tuning)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    cp.async (see forward_kernel_function). `extras`: the kernels' (alibi_slopes,
+    cu_seqlens_q, cu_seqlens_k) (marshal.kernel_extras), for a spec that has them. The config
+    is the first for the head dim that fits `shared_limit` bytes of shared memory, unless
+    `config` names one (for tuning)."""
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
     config = config or simt_forward_config(head_dim, shared_limit)
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     kernel = forward_kernel(config, spec.for_kernels(), async_copy)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     launch(kernel, grid, config.threads, stream, simt_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, scale_log2)
+           q, k, v, out, lse, scale_log2, *extras)

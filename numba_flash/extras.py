@@ -1,0 +1,46 @@
+"""The arrays of a call besides q, k, v (and dout, out, lse): ALiBi's slopes and varlen's
+cumulative sequence lengths (their checks are numba_flash._checks').
+
+The spec says whether a call has them (spec.alibi, spec.varlen); their values travel beside
+the spec as one `Extras`, which every backend's forward and backward take. Their values are
+read by the kernels, never compiled in: a new set of slopes or of sequence lengths compiles
+nothing.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _arrays
+
+
+class Extras(NamedTuple):
+    """alibi_slopes: float32 (nheads,) or (batch, nheads), or None. cu_seqlens_q,
+    cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None."""
+    alibi_slopes: object = None
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+
+    def arrays(self):
+        """The arrays present, in field order (what a call's signature and replay take)."""
+        return tuple(x for x in self if x is not None)
+
+    def with_arrays(self, arrays):
+        """The same fields filled from `arrays` (as arrays() returned them) in order."""
+        values = iter(arrays)
+        return Extras(*(None if x is None else next(values) for x in self))
+
+
+NO_EXTRAS = Extras()
+
+
+def host_values(x):
+    """A small array's values on the host (a device array is copied: one synchronisation)."""
+    kind = _arrays.array_kind(x)
+    if kind == _arrays.HOST:
+        return np.asarray(_arrays.as_numpy(x))
+    if kind == _arrays.CUPY:
+        return x.get()
+    if kind == _arrays.TORCH:
+        return x.detach().cpu().numpy()
+    from numba import cuda
+    return cuda.as_cuda_array(x).copy_to_host()
