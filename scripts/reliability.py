@@ -74,10 +74,13 @@ def sanitize_variants(numba_flash, cp, torch):
                   for side in zip(*lengths))
     varlen = (cu_q, cu_k, *(max(side) for side in zip(*lengths)))
     calls = 0
+    total_q, total_k = (int(cu[-1]) for cu in (cu_q, cu_k))
     for backend, dtype in (("numba-simt", "float32"), ("numba-simt", "float16"),
                            ("numba-mma", "float16"), ("numba-mma", "bfloat16")):
         for head_dim in (64, 128):
             q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, head_dim), dtype)
+            packed = [x[0] for x in _arrays(cp, torch, rng, (1, total_q, total_k, 2, head_dim),
+                                            dtype)]
             k, v = (x[:, :, :2].contiguous() if dtype == "bfloat16"  # (torch tensors)
                     else cp.ascontiguousarray(x[:, :, :2]) for x in (k, v))
             slopes = cp.asarray(rng.uniform(0.05, 0.5, (2, 4)), cp.float32)
@@ -87,8 +90,6 @@ def sanitize_variants(numba_flash, cp, torch):
             for _ in range(2):
                 out, lse = numba_flash.forward(q, k, v, backend=backend, **options)
                 numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **options)
-                packed = [x[0, :int(n)] for x, n in zip((q, k, v, dout), (cu_q[-1], cu_k[-1],
-                                                                          cu_k[-1], cu_q[-1]))]
                 out, lse = numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,
                                                       backend=backend)
                 numba_flash.backward_varlen(packed[3], *packed[:3], out, lse, *varlen,
