@@ -9,6 +9,9 @@ backends/numba/mma/config.py.
 
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
     python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
+    python scripts/tune_mma.py --head-dims 128 --seqlen 16384 --causal --window 512
+
+TFLOP/s count the visible pairs only (a causal or windowed call's masked tiles are skipped).
 """
 import argparse
 import sys
@@ -16,6 +19,7 @@ import sys
 import numpy as np
 
 import harness
+from bench_variants import visible_pairs
 
 FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
     64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2), (32, 6, 2)],
@@ -38,6 +42,8 @@ def main(argv=None):
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=-1,
+                        help="a sliding window of this many keys to the left (default: none)")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--configs", nargs="+", type=config_tuple, metavar="A,B,C[,D]",
@@ -66,12 +72,14 @@ def main(argv=None):
     for head_dim in args.head_dims:
         batch, nheads = max(1, args.tokens // n), 2048 // head_dim
         q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
-        spec = make_spec(q, causal=causal)
+        window = (args.window, 0 if causal else -1)
+        spec = make_spec(q, causal=causal, window_size=window)
         first = slice(0, 1)
         ref_out, ref_lse = attention_forward(cp, q[first], k[first], v[first], spec, "float64")
-        work = 4.0 * batch * nheads * n * n * head_dim / (2.0 if causal else 1.0)
+        work = 4.0 * batch * nheads * head_dim * visible_pairs(n, n, causal, window)
         bits = [cuda.as_cuda_array(x.view(cp.uint16), sync=False) for x in (q, k, v, dout)]
-        tag = f"d{head_dim} N{n} {'causal' if causal else 'full'}"
+        tag = (f"d{head_dim} N{n} {'causal' if causal else 'full'}"
+               f"{f' window {args.window}' if args.window >= 0 else ''}")
         if "fwd" in args.passes:
             for shape in args.configs or FORWARD[head_dim]:
                 out = cp.full(q.shape, cp.nan, q.dtype)

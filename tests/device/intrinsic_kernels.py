@@ -6,7 +6,7 @@ from numba.core.types import float16, float32, uint16
 from numba_flash.backends.numba.device.intrinsics import (
     SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait, exp2, ldmatrix_x4, ldmatrix_x4_at,
     ldmatrix_x4_trans, ldmatrix_x4_trans_at, mma_bf16, mma_f16, opaque, pack_bf16x2, pack_f16x2,
-    shared_address, shared_tile, shfl_xor, unpack_bf16x2, unpack_f16x2)
+    reciprocal, shared_address, shared_tile, shfl_xor, unpack_bf16x2, unpack_f16x2)
 
 
 def _make_mma_kernel(mma, name):
@@ -100,6 +100,11 @@ def pack_kernel(x, f16_words, bf16_words, f16_back, bf16_back):
 def exp2_kernel(x, y):
     i = cuda.threadIdx.x
     y[i] = exp2(x[i])
+
+
+def reciprocal_kernel(x, y):
+    i = cuda.threadIdx.x
+    y[i] = reciprocal(x[i])
 
 
 def shared_tile_kernel(halves, words, halves_out, words_out):

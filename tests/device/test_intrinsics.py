@@ -165,6 +165,18 @@ def test_exp2_flushes_like_ex2_approx_ftz(rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_reciprocal_is_within_an_ulp_and_flushes_like_rcp_approx_ftz(rng, mode):
+    x = np.concatenate([rng.uniform(1, 1e6, 14), -rng.uniform(1e-3, 1e3, 14),
+                        [1.0, np.inf, 3e38, -np.inf]]).astype(np.float32)
+    y = np.full(32, np.nan, np.float32)
+    cuda.jit(kernels.reciprocal_kernel)[1, 32](x, y)
+    want = 1.0 / x[:29].astype(np.float64)
+    assert np.all(np.abs(y[:29] - want) <= np.spacing(np.abs(want).astype(np.float32)))
+    assert np.array_equal(y[29:], [0.0, 0.0, 0.0])  # 1/inf; 1/3e38 < 2**-126: flushed
+    assert np.array_equal(np.signbit(y[29:]), [False, False, True])
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_shared_tile_views_dynamic_shared_memory(rng, mode):
     halves = rng.integers(0, 2**16, (4, 24)).astype(np.uint16)
     words = rng.standard_normal((2, 8)).astype(np.float32)

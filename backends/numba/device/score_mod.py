@@ -12,10 +12,12 @@ c)². ALiBi then adds -slope·|query_pos - key_pos| (query_pos: the row's diagon
 seqlen_k - seqlen_q), in log2 units with slope·log2(e) (`head_slope`, read once per head);
 it does not depend on s, so the derivative is the softcap's, or one.
 
-tanh is 1 - 2 / (2^(2·log2(e)·x) + 1): one ex2 and one division, exact to a few units in the
-last place of float32 in absolute terms (for |x| near 0 as everywhere; 2^(...) overflowing
-gives 1, flushing to 0 gives -1). libdevice's tanhf, with its two branches, took the float32
-head-dim-128 dK/dV kernel past 255 registers (a spill).
+tanh is 1 - 2 / (2^(2·log2(e)·x) + 1): one ex2 and one approximate reciprocal (rcp.approx, a
+MUFU instruction like ex2, where a float32 division is a reciprocal, two fused multiply-adds
+and a slow path), exact to a few units in the last place of float32 in absolute terms (for
+|x| near 0 as everywhere; 2^(...) overflowing gives 1, flushing to 0 gives -1). libdevice's
+tanhf, with its two branches, took the float32 head-dim-128 dK/dV kernel past 255 registers
+(a spill).
 """
 import collections
 import functools
@@ -24,7 +26,7 @@ import numpy as np
 from numba import cuda, float32
 
 from .constants import LOG2E, ONE, ZERO
-from .intrinsics import exp2
+from .intrinsics import exp2, reciprocal
 
 TWO = np.float32(2.0)
 
@@ -58,7 +60,7 @@ def make_score_mod(spec):
 
     @cuda.jit(device=True, inline="always")
     def tanh_of_scaled(s, pre):
-        return ONE - TWO / (exp2(s * pre) + ONE)
+        return ONE - TWO * reciprocal(exp2(s * pre) + ONE)
 
     @cuda.jit(device=True, inline="always")
     def bias(slope, query_pos, key_pos):
