@@ -5,11 +5,12 @@ attention with --heads heads (the reference row); GQA with --kv-heads key/value 
 torch SDPA with enable_gqa=True (flash, cudnn, efficient: those that take it); a sliding
 window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); varlen,
 --documents packed causal sequences of random lengths (seeded) making up one sequence of
---seqlen tokens. TFLOP/s are counted over the visible (unmasked)
-pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips its masked
-tiles scores like dense attention; each row also gives its time against the causal MHA row
-and the share of causal MHA's visible pairs it has. Timing as scripts/bench.py (CUDA events,
-median, the implementations of a row taking turns).
+--seqlen tokens, beside dense causal attention on a batch of --documents sequences of the
+documents' mean length (the same tokens, no packing). TFLOP/s are counted over the visible
+(unmasked) pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips
+its masked tiles scores like dense attention; each row also gives its time against the
+causal MHA row and the share of causal MHA's visible pairs it has. Timing as
+scripts/bench.py (CUDA events, median, the implementations of a row taking turns).
 
     python scripts/bench_variants.py [--seqlen 16384] [--passes fwd fwdbwd] [--warm-only]
 """
@@ -49,9 +50,11 @@ def alibi_slopes(heads):
 
 
 def rows(args):
-    """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row) and
-    "lengths" (varlen) are the bench's own."""
+    """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row),
+    "lengths" (varlen) and "shape" ((batch, seqlen) of a row not of the bench's) are the
+    bench's own."""
     sdpa = ("flash", "cudnn", "efficient")
+    mean_length = args.seqlen // args.documents
     return [("mha causal", args.heads, dict(causal=True), sdpa),
             (f"gqa {args.heads}/{args.kv_heads} causal", args.kv_heads, dict(causal=True), sdpa),
             (f"window {args.window} causal", args.heads,
@@ -60,7 +63,9 @@ def rows(args):
              dict(causal=True, softcap=args.softcap), ()),
             ("alibi causal", args.heads, dict(causal=True, alibi=True), ()),
             (f"varlen {args.documents} docs causal", args.heads,
-             dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ())]
+             dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ()),
+            (f"B{args.documents} N{mean_length} causal", args.heads,
+             dict(causal=True, shape=(args.documents, mean_length)), sdpa)]
 
 
 def row_pairs(seqlen, options):
@@ -74,6 +79,7 @@ def our_call(numba_flash, cp, options, heads):
     """(forward(q, k, v), backward(dout, q, k, v, out, lse)) of a row on (batch, N, H, D)
     arrays (varlen: the batch's one sequence as the packed documents)."""
     options = dict(options)
+    options.pop("shape", None)
     lengths = options.pop("lengths", None)
     if options.pop("alibi", False):
         options["alibi_slopes"] = cp.asarray(alibi_slopes(heads))
@@ -155,8 +161,9 @@ def main(argv=None):
         reference_ms = reference_pairs = None
         for name, kv_heads, options, peers in rows(args):
             inputs = []
+            row_batch, row_seqlen = options.get("shape", (batch, args.seqlen))
             for _ in range(1 if args.warm_only else 2):
-                q, k, v, dout = harness.random_inputs(cp, rng, batch, args.seqlen, args.seqlen,
+                q, k, v, dout = harness.random_inputs(cp, rng, row_batch, row_seqlen, row_seqlen,
                                                       args.heads, args.head_dim, args.dtype)
                 k, v = (cp.ascontiguousarray(x[:, :, :kv_heads]) for x in (k, v))
                 inputs.append((q, k, v, dout))
@@ -171,7 +178,7 @@ def main(argv=None):
             if args.warm_only:
                 continue
             times = timer(ready)
-            pairs = batch * args.heads * row_pairs(args.seqlen, options)
+            pairs = row_batch * args.heads * row_pairs(row_seqlen, options)
             work = 4.0 * args.head_dim * pairs * (3.5 if passes == "fwdbwd" else 1.0)
             if reference_ms is None:
                 reference_ms, reference_pairs = times["numba"], pairs

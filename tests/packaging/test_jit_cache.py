@@ -23,6 +23,8 @@ f32, f16, bf16 = (AttentionSpec(64, d, causal=True) for d in ("float32", "float1
 kernels = [simt_fwd.forward_kernel_function(simt_forward_config(64), f32, True),
            *simt_bwd.backward_kernel_functions(simt_backward_config(64), f32),
            mma_fwd.mma_forward_kernel_function(MmaConfig(64, 4, 1), bf16),
+           mma_fwd.mma_forward_kernel_function(MmaConfig(64, 4, 1), AttentionSpec(
+               64, "float16", softcap=5.0, alibi=True, varlen=True, group=2)),
            delta.delta_kernel_function(64, "bf16"),
            mma_bwd.mma_dk_dv_kernel_function(MmaBackwardConfig(32, 32, 4), f16),
            mma_bwd.mma_dq_kernel_function(MmaBackwardConfig(32, 32, 4), f16),
@@ -35,16 +37,19 @@ def closure_hash(fn):
 print(" ".join(closure_hash(fn) for fn in kernels))
 if sys.argv[1] == "compile":  # small kernels of each family reach every device function kind
     u4, f3 = "uint16[:, :, :, :]", "float32[:, :, :]"
+    unused = f", {f3}, {f3}, {f3}"  # (alibi_slopes, cu_seqlens_q, cu_seqlens_k: lse's type)
     small = AttentionSpec(16, "float16", causal=True)
     cuda.compile_ptx(mma_fwd.mma_forward_kernel_function(MmaConfig(16, 1), small),
-                     f"({u4}, {u4}, {u4}, {u4}, {f3}, float32)", cc=(8, 0))
+                     f"({u4}, {u4}, {u4}, {u4}, {f3}, float32{unused})", cc=(8, 0))
     cuda.compile_ptx(mma_bwd.mma_dq_kernel_function(MmaBackwardConfig(16, 16, 1), small),
-                     f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32)", cc=(8, 0))
+                     f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32{unused})",
+                     cc=(8, 0))
     a4 = "float32[:, :, :, :]"
     simt = AttentionSpec(16, "float32", causal=True)
     cuda.compile_ptx(simt_bwd.backward_kernel_functions(SimtBackwardConfig(1, 1, 2, 1, 2),
                                                         simt, True)[1],
-                     f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32)", cc=(8, 0))
+                     f"({a4}, {a4}, {a4}, {a4}, {f3}, {f3}, {a4}, float32, float32{unused})",
+                     cc=(8, 0))
     print(" ".join(closure_hash(fn) for fn in kernels))
 """
 
@@ -59,6 +64,6 @@ def _hashes(*args):
 
 def test_kernel_cache_keys_are_the_same_in_every_process_and_after_compiling():
     (first,), (second, after_compiling) = _hashes("hash"), _hashes("compile")
-    assert len(first) == 8
+    assert len(first) == 9
     assert first == second
     assert after_compiling == first

@@ -30,13 +30,13 @@ FIXED = [
     ("gqa4-softcap-causal", (1, 18, 25, 4, 16), 1, True, dict(softcap=1.5)),
     ("softcap-left-window", (1, 33, 33, 1, 16), 1, False,
      dict(softcap=0.5, window_left=5, window_right=-1)),
-    ("alibi-causal-gqa2", (2, 13, 19, 4, 16), 2, True, dict(alibi=True)),
-    ("alibi-softcap-window", (1, 21, 17, 2, 16), 1, False,
+    ("alibi-causal-gqa2", (1, 13, 19, 2, 16), 1, True, dict(alibi=True)),
+    ("alibi-softcap-window", (1, 21, 17, 1, 16), 1, False,
      dict(alibi=True, softcap=2.0, window_left=6, window_right=3)),
     # varlen: (seqlen_q, seqlen_k) per sequence, with sequences without queries or keys
-    ("varlen-causal-gqa2", (4, 17, 21, 4, 16), 2, True,
+    ("varlen-causal-gqa2", (4, 17, 21, 2, 16), 1, True,
      dict(lengths=[(5, 9), (0, 4), (17, 21), (9, 0)])),
-    ("varlen-alibi-window", (3, 20, 20, 2, 16), 1, False,
+    ("varlen-alibi-window", (3, 20, 20, 1, 16), 1, False,
      dict(alibi=True, window_left=4, window_right=2, lengths=[(20, 20), (3, 7), (11, 5)])),
 ]
 FIXED_IDS = [case[0] for case in FIXED]
