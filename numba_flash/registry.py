@@ -83,10 +83,11 @@ class Selection(namedtuple("Selection", "name skipped")):
         return "\n".join(lines)
 
 
-def select_backend(q, k, v, *, backend=AUTO, **options):
+def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, **options):
     """Which backend runs this call (forward's options: causal, softmax_scale, window_size,
-    softcap), and why each backend tried before it was skipped."""
-    return _select(backend, make_spec(q, k, **options), q, k, v)
+    softcap, alibi_slopes), and why each backend tried before it was skipped."""
+    spec = make_spec(q, k, alibi=alibi_slopes is not None, **options)
+    return _select(backend, spec, q, k, v)
 
 
 def _select(backend, spec, q, k, v):

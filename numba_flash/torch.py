@@ -3,6 +3,8 @@
     import numba_flash.torch
     out = numba_flash.torch.attention(q, k, v, causal=True)   # q, k, v: (B, N, H, D)
     out.sum().backward()                                       # fills q.grad, k.grad, v.grad
+    out = numba_flash.torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, causal=True)
 
 Imported only when asked for (`import numba_flash` does not import torch). The forward saves
 q, k, v, the output and the row log-sum-exp; the backward recomputes the attention tiles with
@@ -39,3 +41,32 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
     return FlashAttentionFunction.apply(q, k, v, options)
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """autograd wrapper of numba_flash.forward_varlen / numba_flash.backward_varlen."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, varlen, options):
+        out, lse = api.forward_varlen(q, k, v, *varlen, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.varlen, ctx.options = varlen, options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = api.backward_varlen(dout, q, k, v, out, lse, *ctx.varlen, **ctx.options)
+        return dq, dk, dv, None, None
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
+                     alibi_slopes=None, backend="auto"):
+    """Differentiable attention of packed sequences (torch tensors; see
+    numba_flash.forward_varlen): q (total_q, H, D), k, v (total_k, H_kv, D), int32
+    cu_seqlens (B + 1,). Returns the output only."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+    return FlashAttentionVarlenFunction.apply(q, k, v, varlen, options)

@@ -407,3 +407,13 @@ def test_simt_forward_varlen_matches_numpy(rng):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-4, rtol=0)
+
+
+def test_select_backend_takes_alibi_slopes(rng):
+    """select_backend answers for a call with ALiBi as forward would run it."""
+    q = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 7, 2, 8)).astype(np.float32)
+    slopes = np.array([0.5, 0.25], np.float32)
+    plain = numba_flash.select_backend(q, k, k, causal=True)
+    with_alibi = numba_flash.select_backend(q, k, k, causal=True, alibi_slopes=slopes)
+    assert with_alibi.name == plain.name and with_alibi.name is not None
