@@ -58,8 +58,10 @@ class Layout:
             self.batch, self.rows, sequences = 1, (int(cu[0][-1]), int(cu[1][-1])), len(lengths)
         else:
             cu, self.batch, self.rows, sequences = (None, None), batch, (seqlen_q, seqlen_k), batch
-        slopes = (rng.uniform(0.05, 1.0, (sequences, nheads)).astype(np.float32)
-                  if spec.alibi else None)
+        # ALiBi slopes per sequence and head for varlen, per head otherwise (the kernels'
+        # view of those broadcasts them over the batch)
+        slopes = (rng.uniform(0.05, 1.0, (sequences, nheads) if self.varlen else nheads)
+                  .astype(np.float32) if spec.alibi else None)
         self.extras = (Extras(slopes, *cu) if spec.alibi or self.varlen else NO_EXTRAS)
         self.lse_shape = (self.batch, nheads, self.rows[0])
 
@@ -69,9 +71,9 @@ class Layout:
     def ref(self, x):
         return x[0] if self.varlen else x
 
-    def kernel_extras(self, spec, unused):
+    def kernel_extras(self, spec, q, unused):
         from numba_flash.backends.numba.marshal import kernel_extras
-        return kernel_extras(spec, self.extras, None, unused)
+        return kernel_extras(spec, self.extras, q, unused)
 
 
 def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
@@ -85,7 +87,7 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, 
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_mma_forward(spec, qb, kb, vb, out, lse, config=config,
-                       extras=case.kernel_extras(spec, lse))
+                       extras=case.kernel_extras(spec, qb, lse))
     q, k, v = (case.ref(x) for x in (q, k, v))
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
     base_out, _ = plain16_forward(np, q, k, v, spec, dtype, case.extras)
@@ -116,7 +118,7 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     kernel_lse = lse.reshape(case.lse_shape)
     outb = outb.reshape(qb.shape)
     launch_mma_backward(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
-                        extras=case.kernel_extras(spec, kernel_lse))
+                        extras=case.kernel_extras(spec, qb, kernel_lse))
     refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64, case.extras)
     bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):

@@ -55,7 +55,8 @@ def kernel_extras(spec, extras, q_view, unused):
                 slopes = DeviceView(slopes.ptr, shape, (0, slopes.strides[0]), slopes.dtype,
                                     slopes.owner)
             else:
-                slopes = np.ascontiguousarray(np.broadcast_to(slopes, shape))
+                slopes = np.array(np.broadcast_to(slopes, shape))  # (a writeable copy: the
+                #                                                       simulator writes back)
     return slopes, cu_q, cu_k
 
 

@@ -417,3 +417,18 @@ def test_select_backend_takes_alibi_slopes(rng):
     plain = numba_flash.select_backend(q, k, k, causal=True)
     with_alibi = numba_flash.select_backend(q, k, k, causal=True, alibi_slopes=slopes)
     assert with_alibi.name == plain.name and with_alibi.name is not None
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_simt_forward_with_per_head_slopes_matches_numpy(rng, batch):
+    """(nheads,) slopes reach the kernels broadcast over the batch (a batch of one too, whose
+    broadcast view is contiguous but read-only)."""
+    q = rng.standard_normal((batch, 9, 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, 11, 1, 8)).astype(np.float32) for _ in range(2))
+    slopes = np.array([0.3, 0.7], np.float32)
+    got_out, got_lse = numba_flash.forward(q, k, v, causal=True, alibi_slopes=slopes,
+                                           backend="numba-simt")
+    want_out, want_lse = numba_flash.forward(q, k, v, causal=True, alibi_slopes=slopes,
+                                             backend="numpy")
+    assert np.abs(got_out - want_out).max() < 1e-5
+    assert np.abs(got_lse - want_lse).max() < 1e-5

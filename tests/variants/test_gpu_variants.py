@@ -23,8 +23,8 @@ CASES = [
     ("softcap-window-d256", (1, 600, 700, 2, 1, 256), dict(softcap=5.0, window_size=(64, 64))),
     ("rows-see-no-key", (1, 1200, 300, 2, 1, 64), dict(causal=True, window_size=(10, -1))),
     ("alibi-causal-gqa2", (2, 1000, 1300, 4, 2, 128), dict(causal=True, alibi=True)),
-    ("alibi-softcap-window-d64", (1, 1100, 900, 4, 4, 64),
-     dict(alibi=True, softcap=20.0, window_size=(300, 50))),
+    ("alibi-per-head-softcap-window-d64", (2, 1100, 900, 4, 4, 64),
+     dict(alibi="per-head", softcap=20.0, window_size=(300, 50))),
 ]
 IDS = [case[0] for case in CASES]
 
@@ -67,11 +67,14 @@ def _plain(cp, dtype):
 
 def _slopes(cp, rng, options, batch, nheads, dtype):
     """(options for the API, Extras for the references): ALiBi slopes (batch, nheads) for
-    options with alibi=True, as a torch tensor for bfloat16 (whose arrays are torch's)."""
+    options with alibi=True, (nheads,) for alibi="per-head", as a torch tensor for bfloat16
+    (whose arrays are torch's)."""
     options = dict(options)
-    if not options.pop("alibi", False):
+    alibi = options.pop("alibi", False)
+    if not alibi:
         return options, NO_EXTRAS
-    slopes = cp.asarray(rng.uniform(0.02, 0.5, (batch, nheads)), cp.float32)
+    shape = nheads if alibi == "per-head" else (batch, nheads)
+    slopes = cp.asarray(rng.uniform(0.02, 0.5, shape), cp.float32)
     if dtype == "bfloat16":
         import torch
         options["alibi_slopes"] = torch.from_dlpack(slopes)

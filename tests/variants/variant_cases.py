@@ -60,7 +60,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     out = np.full(q.shape, np.nan, dtype)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_forward(spec, q, k, v, out, lse, 0, SIMT_FORWARD, async_copy=async_copy,
-                   extras=case.kernel_extras(spec, lse))
+                   extras=case.kernel_extras(spec, q, lse))
     refs = [case.ref(x) for x in (q, k, v)]
     ref_out, ref_lse = attention_forward(np, *refs, spec, np.float64, case.extras)
     base_out, base_lse = plain_forward(*refs, spec)
@@ -72,7 +72,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     grads = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
     launch_backward(spec, dout, q, k, v, out, lse, delta, *grads, 0, async_copy=async_copy,
-                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, lse))
+                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, q, lse))
     ref_arrays = [case.ref(x) for x in (dout, q, k, v, out, lse)]
     refs = attention_backward(np, *ref_arrays, spec, np.float64, case.extras)
     bases = plain_backward(*ref_arrays, spec)
