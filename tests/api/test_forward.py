@@ -68,5 +68,8 @@ def test_large_logits_do_not_overflow(rng):
     spec = make_spec(q, causal=False, softmax_scale=32 ** -0.5)
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    assert np.abs(out - ref_out).max() < 1e-4
-    assert np.abs(lse - ref_lse).max() / np.abs(ref_lse).max() < 1e-6
+    # (scores of ~1e3 carry float32 rounding of ~1e-4 into every exponent: the bound is the
+    # plain float32 implementation's error, as everywhere, not a fixed number)
+    base_out, base_lse = attention_forward(np, q, k, v, spec, np.float32)
+    assert_within_rule("out", out, base_out, ref_out, "float32")
+    assert_within_rule("lse", lse, base_lse, ref_lse, "float32")
