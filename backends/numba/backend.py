@@ -46,6 +46,9 @@ class NumbaBackend(Backend):
         reason = self.available()
         if reason:
             return reason
+        if not spec.varlen and int(q.shape[0]) > MAX_SEQUENCES:
+            return (f"its kernels' grid takes at most {MAX_SEQUENCES} sequences; got batch "
+                    f"{q.shape[0]}")
         if spec.dtype not in self.dtypes:
             return f"dtype {spec.dtype} is not supported (it supports {', '.join(self.dtypes)})"
         kind = _arrays.array_kind(q)
@@ -110,6 +113,7 @@ class NumbaBackend(Backend):
 
     def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
+        _check_sequences(spec, extras)
         nheads, seqlen_q = int(q.shape[-2]), int(q.shape[-3])
         lse_shape = (nheads, seqlen_q) if spec.varlen else (int(q.shape[0]), nheads, seqlen_q)
         with self._on_device(q):
@@ -122,6 +126,7 @@ class NumbaBackend(Backend):
 
     def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
+        _check_sequences(spec, extras)
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), spec.dtype) for x in (q, k, v)]
             dout, q, k, v, out, lse = _batched(spec, (dout, q, k, v, out, lse))
@@ -129,6 +134,17 @@ class NumbaBackend(Backend):
             engine.backward(spec, dout, q, k, v, out, lse, delta, _batched(spec, grads),
                             functools.partial(self._new, q), self._stream(q), extras)
         return tuple(grads)
+
+
+#: sequences per call (grid.z of every kernel)
+MAX_SEQUENCES = 65535
+
+
+def _check_sequences(spec, extras):
+    """varlen's batch within the kernels' grid (a plain batch is `supports`' to check)."""
+    if spec.varlen and int(extras.cu_seqlens_q.shape[0]) - 1 > MAX_SEQUENCES:
+        raise ValueError(f"the Numba kernels' grid takes at most {MAX_SEQUENCES} sequences; "
+                         f"got cu_seqlens_q for {int(extras.cu_seqlens_q.shape[0]) - 1}")
 
 
 def _batched(spec, arrays):

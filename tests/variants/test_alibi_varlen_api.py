@@ -432,3 +432,17 @@ def test_simt_forward_with_per_head_slopes_matches_numpy(rng, batch):
                                              backend="numpy")
     assert np.abs(got_out - want_out).max() < 1e-5
     assert np.abs(got_lse - want_lse).max() < 1e-5
+
+
+def test_more_sequences_than_the_grid_takes_get_a_clear_error(rng):
+    """grid.z holds the sequences: a plain batch past the limit moves "auto" on (and names the
+    reason when the Numba backend is asked for); a varlen batch past it is refused before any
+    launch."""
+    from numba_flash.backends.numba.backend import MAX_SEQUENCES
+    q = rng.standard_normal((MAX_SEQUENCES + 1, 1, 1, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=f"at most {MAX_SEQUENCES} sequences; got batch"):
+        numba_flash.forward(q, q, q, backend="numba-simt")
+    assert numba_flash.select_backend(q, q, q).name == "numpy"
+    cu = np.arange(MAX_SEQUENCES + 2, dtype=np.int32)
+    with pytest.raises(ValueError, match=f"at most {MAX_SEQUENCES} sequences; got cu_seqlens_q"):
+        numba_flash.forward_varlen(q[:, 0], q[:, 0], q[:, 0], cu, cu, 1, 1, backend="numba-simt")
