@@ -12,7 +12,7 @@ its masked tiles scores like dense attention; each row also gives its time again
 causal MHA row and the share of causal MHA's visible pairs it has. Timing as
 scripts/bench.py (CUDA events, median, the implementations of a row taking turns).
 
-    python scripts/bench_variants.py [--seqlen 16384] [--passes fwd fwdbwd] [--warm-only]
+    python scripts/bench_variants.py [--seqlen 16384] [--passes fwd fwdbwd] [--warm-only] [--flex]
 """
 import argparse
 import json
@@ -112,6 +112,10 @@ def runners(numba_flash, torch, inputs, options, passes, peers):
     views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
     gqa = views[0][0].shape[1] != views[0][1].shape[1]
     for kind in peers:
+        if kind == "flex":
+            found["flex"] = flex_runner(torch, views, options, passes)
+            continue
+
         def peer(i, kind=kind):
             q, k, v, dout = views[i]
             with sdpa_kernel(kinds[kind]):
@@ -123,6 +127,26 @@ def runners(numba_flash, torch, inputs, options, passes, peers):
                     out.backward(dout)
         found[f"sdpa-{kind}"] = peer
     return found
+
+
+def flex_runner(torch, views, options, passes):
+    """fn(i): torch FlexAttention (torch.compile'd) on the row's inputs i, with the row's
+    masks and score mods (flex_peer.py)."""
+    from flex_peer import flex_attention_call
+    q = views[0][0]
+    slopes = (torch.tensor(alibi_slopes(q.shape[1]), device=q.device)
+              if options.get("alibi") else None)
+    call = flex_attention_call(torch, options, q.shape[2], q.device, slopes,
+                               options.get("lengths"))
+
+    def run(i):
+        q, k, v, dout = views[i]
+        if passes == "fwdbwd":
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = call(q, k, v)
+        if passes == "fwdbwd":
+            out.backward(dout)
+    return run
 
 
 def main(argv=None):
@@ -139,6 +163,8 @@ def main(argv=None):
     parser.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"],
                         choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
+    parser.add_argument("--flex", action="store_true",
+                        help="time torch FlexAttention (torch.compile'd) beside every row")
     parser.add_argument("--warm-only", action="store_true",
                         help="one call of each row (compiles the kernels), nothing timed")
     parser.add_argument("--json", help="write the results here")
@@ -167,7 +193,8 @@ def main(argv=None):
                                                       args.heads, args.head_dim, args.dtype)
                 k, v = (cp.ascontiguousarray(x[:, :, :kv_heads]) for x in (k, v))
                 inputs.append((q, k, v, dout))
-            fns = runners(numba_flash, torch, inputs, options, passes, peers)
+            fns = runners(numba_flash, torch, inputs, options, passes,
+                          peers + ("flex",) if args.flex else peers)
             ready = {}
             for label, fn in fns.items():
                 try:
