@@ -177,3 +177,29 @@ def _packed_like(xp, arrays, sides, side, dtype):
         return xp.full((q.shape[1], q.shape[0]), -xp.inf, dtype)
     x = arrays[list(sides).index(side)]
     return xp.zeros(x.shape, dtype)
+
+
+def online_softmax_steps(scores, values, block):
+    """The online softmax of one query row, key block by key block, as the kernels run it
+    (float64, natural exponentials): for each block the states after it, as dicts of
+    `scores` (the block's), `block_max`, `m` (the running max), `rescale` (exp(m_old -
+    m_new), the factor the old sum and accumulator take), `l` (the running sum) and `acc`
+    (the unnormalised output), with `out` = acc / l. After the last block `out` is
+    softmax(scores) · values exactly (up to rounding), which no step needed the whole row for.
+
+    scores: (n,) scaled scores of the row; values: (n, d); block: keys per block."""
+    import numpy as np
+    scores, values = np.asarray(scores, np.float64), np.asarray(values, np.float64)
+    m, l, acc = -np.inf, 0.0, np.zeros(values.shape[1])
+    steps = []
+    for start in range(0, len(scores), block):
+        s, v = scores[start:start + block], values[start:start + block]
+        m_new = max(m, float(s.max()))
+        rescale = float(np.exp(m - m_new))  # exp(-inf) = 0 before the first block
+        p = np.exp(s - m_new)
+        l = l * rescale + float(p.sum())
+        acc = acc * rescale + p @ v
+        m = m_new
+        steps.append(dict(scores=s.tolist(), block_max=float(s.max()), m=m, rescale=rescale,
+                          l=l, acc=acc.tolist(), out=(acc / l).tolist()))
+    return steps
