@@ -94,8 +94,21 @@ def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
     options, extras = _slopes(cp, rng, options, shape[0], shape[3], dtype)
     spec = make_spec(q, k, alibi=extras.alibi_slopes is not None,
                      **{key: x for key, x in options.items() if key != "alibi_slopes"})
+    grads = _check_forward_and_backward(
+        cp, dtype, values, arrays, spec, extras,
+        lambda *a: numba_flash.forward(*a, backend=backend, **options),
+        lambda *a: numba_flash.backward(*a, backend=backend, **options))
+    assert [tuple(g.shape) for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def _check_forward_and_backward(cp, dtype, values, arrays, spec, extras, forward, backward):
+    """forward(q, k, v) -> (out, lse) and backward(dout, q, k, v, out, lse) -> grads of the
+    backend's arrays, each result by the accuracy rule against float64 (values: q, k, v, dout
+    as the references take them; the backward gets the reference's out and lse, rounded as a
+    forward returns them). Returns the gradients."""
+    q, k, v, dout = values
     plain_forward, plain_backward = _plain(cp, dtype)
-    out, lse = numba_flash.forward(*arrays[:3], backend=backend, **options)
+    out, lse = forward(*arrays[:3])
     ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64", extras)
     base_out, base_lse = plain_forward(q, k, v, spec, extras)
     assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
@@ -108,13 +121,12 @@ def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
     if dtype == "bfloat16":
         import torch
         lse_arg = torch.from_dlpack(lse_in)
-    grads = numba_flash.backward(arrays[3], *arrays[:3], out_arg, lse_arg, backend=backend,
-                                 **options)
-    assert [tuple(g.shape) for g in grads] == [q.shape, k.shape, v.shape]
+    grads = backward(arrays[3], *arrays[:3], out_arg, lse_arg)
     refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64", extras)
     bases = plain_backward(dout, q, k, v, out_in, lse_in, spec, extras)
     for grad_name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(grad_name, _host(got), base.get(), ref.get(), dtype)
+    return grads
 
 
 VARLEN_LENGTHS = [(700, 700), (1, 40), (1500, 1200), (0, 30), (333, 0), (900, 1100)]
@@ -141,26 +153,17 @@ def test_varlen_on_gpu(cp, rng, backend, dtype, options):
     varlen = (cu_q, cu_k, max_q, max_k)
     spec = make_spec(q, k, alibi=extras.alibi_slopes is not None, max_seqlens=(max_q, max_k),
                      **{key: x for key, x in options.items() if key != "alibi_slopes"})
-    plain_forward, plain_backward = _plain(cp, dtype)
-    out, lse = numba_flash.forward_varlen(*arrays[:3], *varlen, backend=backend, **options)
-    assert tuple(lse.shape) == (8, total_q)
-    ref_out, ref_lse = attention_forward(cp, q, k, v, spec, "float64", extras)
-    base_out, base_lse = plain_forward(q, k, v, spec, extras)
-    assert_within_rule("out", _host(out), base_out.get(), ref_out.get(), dtype)
-    assert_within_rule("lse", _host(lse), base_lse.get(), ref_lse.get(), "float32")
-    out_in = ref_out.astype(cp.float32) if dtype == "float32" else round16(cp, ref_out, dtype)
-    lse_in = cp.ascontiguousarray(ref_lse.astype(cp.float32))
-    out_arg, = _as([out_in], dtype)
-    lse_arg = lse_in
-    if dtype == "bfloat16":
-        import torch
-        lse_arg = torch.from_dlpack(lse_in)
-    grads = numba_flash.backward_varlen(arrays[3], *arrays[:3], out_arg, lse_arg, *varlen,
-                                        backend=backend, **options)
-    refs = attention_backward(cp, dout, q, k, v, out_in, lse_in, spec, "float64", extras)
-    bases = plain_backward(dout, q, k, v, out_in, lse_in, spec, extras)
-    for grad_name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
-        assert_within_rule(grad_name, _host(got), base.get(), ref.get(), dtype)
+    shapes = []
+
+    def forward(*qkv):
+        out, lse = numba_flash.forward_varlen(*qkv, *varlen, backend=backend, **options)
+        shapes.append(tuple(lse.shape))
+        return out, lse
+
+    _check_forward_and_backward(
+        cp, dtype, values, arrays, spec, extras, forward,
+        lambda *a: numba_flash.backward_varlen(*a, *varlen, backend=backend, **options))
+    assert shapes == [(8, total_q)]
 
 
 @pytest.mark.parametrize("backend", ["numba", "numba-simt"])
