@@ -22,6 +22,8 @@ class Extras(NamedTuple):
 
     def arrays(self):
         """The arrays present, in field order (what a call's signature and replay take)."""
+        if self is NO_EXTRAS:  # (every plain call: nothing to look at)
+            return ()
         return tuple(x for x in self if x is not None)
 
     def with_arrays(self, arrays):
