@@ -95,6 +95,9 @@ def check_extras(spec, q, k, v, extras):
         batch = int(q.shape[0])
     if spec.alibi:
         check_alibi_slopes(extras.alibi_slopes, batch, int(q.shape[-2]))
+    if spec.attn_mask is not None:
+        check_attn_mask(extras.attn_mask, spec, (batch, int(q.shape[-2]), int(q.shape[-3]),
+                                                 int(k.shape[-3])))
     named = {"q": q, **{name: x for name, x in zip(extras._fields, extras) if x is not None}}
     if len(named) > 1:
         check_same_place(named)
@@ -133,6 +136,35 @@ def check_alibi_slopes(alibi_slopes, batch, nheads):
                          f"nheads) = ({batch}, {nheads}); got {_shape_str(alibi_slopes)}")
     if _arrays.dtype_name(alibi_slopes) != "float32":
         raise TypeError(f"alibi_slopes must be float32; got {_arrays.dtype_name(alibi_slopes)}")
+
+
+def mask_dtype(attn_mask):
+    """The dtype name of an attention mask ("bool" or a float dtype's), None for None: what
+    the call's spec holds (its shape is check_attn_mask's)."""
+    if attn_mask is None:
+        return None
+    if _arrays.array_kind(attn_mask) is None:
+        raise TypeError(f"attn_mask must be an array (boolean or floating, broadcastable to "
+                        f"(batch, nheads, seqlen_q, seqlen_k)) or None; got "
+                        f"{type(attn_mask).__name__}")
+    dtype = _arrays.dtype_name(attn_mask)
+    if dtype != "bool" and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"attn_mask must be boolean (True: the query sees the key) or floating "
+                        f"(added to the scores); got {dtype}")
+    return dtype
+
+
+def check_attn_mask(attn_mask, spec, shape):
+    """Broadcastable to shape = (batch, nheads, seqlen_q, seqlen_k) (each of its last four
+    dimensions 1 or shape's); a floating mask of q's dtype or float32."""
+    if spec.float_mask and spec.attn_mask not in (spec.dtype, "float32"):
+        raise TypeError(f"a floating attn_mask must have q's dtype {spec.dtype} or float32; "
+                        f"got {spec.attn_mask}")
+    mask_shape = tuple(int(s) for s in attn_mask.shape)
+    padded = (1,) * (4 - len(mask_shape)) + mask_shape
+    if len(mask_shape) > 4 or any(m not in (1, n) for m, n in zip(padded, shape)):
+        raise ValueError(f"attn_mask must broadcast to (batch, nheads, seqlen_q, seqlen_k) = "
+                         f"{shape} (each dimension 1 or that size); got {mask_shape}")
 
 
 def check_cu_seqlens(name, cu_seqlens, total, max_seqlen, max_name):

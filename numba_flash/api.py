@@ -18,7 +18,7 @@ from numba_flash.spec import NO_WINDOW, make_spec
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-            alibi_slopes=None, backend="auto"):
+            alibi_slopes=None, attn_mask=None, backend="auto"):
     """Exact attention softmax(q kᵀ · softmax_scale) v, and the row log-sum-exp.
 
     Args:
@@ -37,6 +37,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
         softcap: > 0 caps the scaled scores s smoothly: softcap · tanh(s / softcap).
         alibi_slopes: float32 (nheads,) or (batch, nheads): adds -slope · |i + seqlen_k -
             seqlen_q - j| to the (softcapped) scaled score of query i and key j.
+        attn_mask: PyTorch SDPA's meaning, broadcastable to (batch, nheads, seqlen_q,
+            seqlen_k) (missing leading dimensions, and dimensions of size 1, broadcast):
+            boolean (True: query i sees key j) or floating, of q's dtype or float32 (added to
+            the scaled score, after softcap and ALiBi; -inf masks). It combines with causal and
+            windows, is read tile by tile and never expanded; no gradient flows to it.
         backend: a registered name (see list_backends()) or "auto".
 
     Returns:
@@ -45,32 +50,41 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
         query i sees, score_ij = softmax_scale · q_i · k_j (softcapped, with ALiBi, if asked).
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, alibi=alibi_slopes is not None)
-    extras = NO_EXTRAS if alibi_slopes is None else Extras(alibi_slopes)
-    return _forward(spec, extras, backend, q, k, v)
+                     softcap=softcap, alibi=alibi_slopes is not None,
+                     attn_mask=_checks.mask_dtype(attn_mask))
+    return _forward(spec, _extras(alibi_slopes, attn_mask), backend, q, k, v)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-             softcap=0.0, alibi_slopes=None, backend="auto"):
+             softcap=0.0, alibi_slopes=None, attn_mask=None, backend="auto"):
     """Gradients (dq, dk, dv) of forward's output, given dout = dLoss/dout.
 
     `out` and `lse` are what forward returned for the same q, k, v and options (causal,
-    softmax_scale, window_size, softcap, alibi_slopes); the score tiles are recomputed from q,
-    k and lse, nothing of size seqlen_q x seqlen_k is stored. dq, dk, dv have the shapes and
-    dtype of q, k, v (with grouped-query attention dk and dv sum over each group's query
-    heads, without atomics: deterministic). Rows that saw no key get zero gradients.
+    softmax_scale, window_size, softcap, alibi_slopes, attn_mask); the score tiles are
+    recomputed from q, k and lse, nothing of size seqlen_q x seqlen_k is stored. dq, dk, dv
+    have the shapes and dtype of q, k, v (with grouped-query attention dk and dv sum over each
+    group's query heads, without atomics: deterministic). Rows that saw no key get zero
+    gradients; the mask gets none.
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, alibi=alibi_slopes is not None)
-    extras = NO_EXTRAS if alibi_slopes is None else Extras(alibi_slopes)
-    return _backward(spec, extras, backend, dout, q, k, v, out, lse)
+                     softcap=softcap, alibi=alibi_slopes is not None,
+                     attn_mask=_checks.mask_dtype(attn_mask))
+    return _backward(spec, _extras(alibi_slopes, attn_mask), backend, dout, q, k, v, out, lse)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-              alibi_slopes=None, backend="auto"):
+              alibi_slopes=None, attn_mask=None, backend="auto"):
     """forward() without the log-sum-exp: just the attention output."""
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)[0]
+                   softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+                   backend=backend)[0]
+
+
+def _extras(alibi_slopes, attn_mask):
+    """A dense call's arrays besides q, k, v."""
+    if alibi_slopes is None and attn_mask is None:
+        return NO_EXTRAS
+    return Extras(alibi_slopes=alibi_slopes, attn_mask=attn_mask)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -1,10 +1,10 @@
-"""The arrays of a call besides q, k, v (and dout, out, lse): ALiBi's slopes and varlen's
-cumulative sequence lengths (their checks are numba_flash._checks').
+"""The arrays of a call besides q, k, v (and dout, out, lse): ALiBi's slopes, varlen's
+cumulative sequence lengths and the attention mask (their checks are numba_flash._checks').
 
-The spec says whether a call has them (spec.alibi, spec.varlen); their values travel beside
-the spec as one `Extras`, which every backend's forward and backward take. Their values are
-read by the kernels, never compiled in: a new set of slopes or of sequence lengths compiles
-nothing.
+The spec says whether a call has them (spec.alibi, spec.varlen, spec.attn_mask); their values
+travel beside the spec as one `Extras`, which every backend's forward and backward take. Their
+values are read by the kernels, never compiled in: new slopes, sequence lengths or mask values
+compile nothing.
 """
 from typing import NamedTuple
 
@@ -15,10 +15,13 @@ from . import _arrays
 
 class Extras(NamedTuple):
     """alibi_slopes: float32 (nheads,) or (batch, nheads), or None. cu_seqlens_q,
-    cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None."""
+    cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None.
+    attn_mask: boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or
+    None."""
     alibi_slopes: object = None
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
+    attn_mask: object = None
 
     def arrays(self):
         """The arrays present, in field order (what a call's signature and replay take)."""

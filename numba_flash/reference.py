@@ -9,10 +9,11 @@ avoids. `spec` is the call's numba_flash.spec.AttentionSpec. Layout of q, k, v, 
 seqlen_q).
 
 Per score, in this order: scale, softcap (s -> softcap · tanh(s / softcap)), ALiBi (plus
--slope · |i + seqlen_k - seqlen_q - j|), then the mask (causal and window: -inf where the
-query does not see the key). The call's arrays besides q, k, v come as a
-numba_flash.extras.Extras. varlen (packed sequences, q (total_q, nheads, headdim), lse
-(nheads, total_q)) is the same attention on each sequence alone (`per_sequence`).
+-slope · |i + seqlen_k - seqlen_q - j|), a floating attn_mask (plus its value), then the mask
+(causal, window and a boolean attn_mask: -inf where the query does not see the key). The
+call's arrays besides q, k, v come as a numba_flash.extras.Extras. varlen (packed sequences,
+q (total_q, nheads, headdim), lse (nheads, total_q)) is the same attention on each sequence
+alone (`per_sequence`).
 """
 import dataclasses
 
@@ -80,12 +81,30 @@ def _scores(xp, q, k, spec, dtype, extras):
     k = expand_kv(xp, k, spec.group)
     s = (_to_heads(xp, q, dtype) @ _to_heads(xp, k, dtype).transpose(0, 1, 3, 2))
     s, ds_dscaled = score_mod(xp, s * xp.asarray(spec.softmax_scale, dtype=dtype), spec)
+    return biased_and_masked(xp, s, spec, extras, dtype), ds_dscaled
+
+
+def biased_and_masked(xp, s, spec, extras, dtype):
+    """Softcapped scaled scores s (B, H, Nq, Nk) plus ALiBi and a floating attn_mask, then
+    -inf where the query does not see the key (causal, window, a boolean attn_mask)."""
+    seqlen_q, seqlen_k = s.shape[-2:]
     if spec.alibi:
-        s = s + alibi_bias(xp, extras.alibi_slopes, q.shape[1], k.shape[1], dtype)
-    mask = visible(xp, spec, q.shape[1], k.shape[1])
-    if mask is not None:  # the keys a query does not see score -inf
-        s = xp.where(mask, s, xp.asarray(-xp.inf, dtype))
-    return s, ds_dscaled
+        s = s + alibi_bias(xp, extras.alibi_slopes, seqlen_q, seqlen_k, dtype)
+    if spec.float_mask:
+        s = s + _mask_4d(xp, extras.attn_mask).astype(dtype)
+    mask = visible(xp, spec, seqlen_q, seqlen_k)
+    if spec.bool_mask:
+        given = _mask_4d(xp, extras.attn_mask)
+        mask = given if mask is None else mask & given
+    if mask is None:
+        return s
+    return xp.where(mask, s, xp.asarray(-xp.inf, dtype))
+
+
+def _mask_4d(xp, attn_mask):
+    """attn_mask with its rank made 4 by leading dimensions of 1 (it broadcasts from there)."""
+    attn_mask = xp.asarray(attn_mask)
+    return attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
 
 
 def attention_forward(xp, q, k, v, spec, dtype, extras=NO_EXTRAS):

@@ -11,6 +11,7 @@ import importlib
 import os
 from collections import namedtuple
 
+from numba_flash import _checks
 from numba_flash.spec import make_spec
 from numba_flash.backends import BACKEND_MODULES
 
@@ -83,10 +84,11 @@ class Selection(namedtuple("Selection", "name skipped")):
         return "\n".join(lines)
 
 
-def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, **options):
+def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, attn_mask=None, **options):
     """Which backend runs this call (forward's options: causal, softmax_scale, window_size,
-    softcap, alibi_slopes), and why each backend tried before it was skipped."""
-    spec = make_spec(q, k, alibi=alibi_slopes is not None, **options)
+    softcap, alibi_slopes, attn_mask), and why each backend tried before it was skipped."""
+    spec = make_spec(q, k, alibi=alibi_slopes is not None, attn_mask=_checks.mask_dtype(attn_mask),
+                     **options)
     return _select(backend, spec, q, k, v)
 
 

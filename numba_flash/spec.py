@@ -43,6 +43,9 @@ class AttentionSpec:
         within itself, with its own seqlen_q and seqlen_k.
     max_seqlen_q, max_seqlen_k: varlen's longest sequences (upper bounds; they size the
         grid); None otherwise and in for_kernels().
+    attn_mask: the dtype name of the call's attention mask (numba_flash.extras), None
+        without one: "bool" (True: the query sees the key) or a float dtype (added to the
+        softcapped scaled score, after ALiBi), SDPA's meaning; read tile by tile.
     """
 
     head_dim: int
@@ -57,6 +60,7 @@ class AttentionSpec:
     varlen: bool = False
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    attn_mask: str | None = None
 
     def __post_init__(self):
         if self.causal or self.window_right == 0:  # one spec for one meaning
@@ -86,8 +90,18 @@ class AttentionSpec:
 
     @property
     def score_modded(self):
-        """Whether scores are changed before the softmax (softcap, ALiBi)."""
-        return bool(self.softcap) or self.alibi
+        """Whether scores are changed before the softmax (softcap, ALiBi, a float mask)."""
+        return bool(self.softcap) or self.alibi or self.float_mask
+
+    @property
+    def bool_mask(self):
+        """Whether a boolean attention mask says which keys each query sees."""
+        return self.attn_mask == "bool"
+
+    @property
+    def float_mask(self):
+        """Whether a floating attention mask is added to the scores."""
+        return self.attn_mask is not None and self.attn_mask != "bool"
 
 
 def check_causal(causal):
@@ -163,10 +177,11 @@ def check_max_seqlen(name, value):
 
 
 def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size, softcap,
-           alibi, max_seqlens):
+           alibi, max_seqlens, attn_mask):
     """dtype: a name, or an array's dtype object (numpy or torch); nheads, nheads_kv: of q
     and k, None where unknown (then no GQA: the array checks will say what is wrong);
-    max_seqlens: varlen's (max_seqlen_q, max_seqlen_k), or None."""
+    max_seqlens: varlen's (max_seqlen_q, max_seqlen_k), or None; attn_mask: the mask's dtype
+    name, or None."""
     dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
     group = 1 if nheads is None or nheads_kv is None else check_group(nheads, nheads_kv)
     check_causal(causal)
@@ -181,7 +196,7 @@ def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_siz
                          window_left=left, window_right=right, softcap=check_softcap(softcap),
                          group=group, alibi=bool(alibi), varlen=varlen,
                          max_seqlen_q=max_seqlens[0] if varlen else None,
-                         max_seqlen_k=max_seqlens[1] if varlen else None)
+                         max_seqlen_k=max_seqlens[1] if varlen else None, attn_mask=attn_mask)
 
 
 _SCALAR_TYPES = (float, int, type(None))
@@ -199,10 +214,11 @@ def _plain_pair(window_size):
 
 
 def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-              softcap=0.0, alibi=False, max_seqlens=None):
+              softcap=0.0, alibi=False, max_seqlens=None, attn_mask=None):
     """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
     GQA) with these options (alibi: whether ALiBi slopes come with the call; max_seqlens:
-    varlen's (max_seqlen_q, max_seqlen_k), q and k then (total, nheads, headdim)); TypeError
+    varlen's (max_seqlen_q, max_seqlen_k), q and k then (total, nheads, headdim); attn_mask:
+    the dtype name of the call's mask, _checks.mask_dtype's); TypeError
     or ValueError naming the option that is wrong. The arrays' own checks (rank, dtype,
     shapes) are numba_flash._checks'; a q without a head dim gets its error there."""
     rank = 3 if max_seqlens is not None else 4  # (the API's arrays: head dim and heads)
@@ -219,6 +235,6 @@ def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WIN
             and (window_size is NO_WINDOW or _plain_pair(window_size))
             and (max_seqlens is None or _plain_pair(max_seqlens))):
         return _cached_build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale,
-                             window_size, softcap, alibi, max_seqlens)
+                             window_size, softcap, alibi, max_seqlens, attn_mask)
     return _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size,
-                  softcap, alibi, max_seqlens)
+                  softcap, alibi, max_seqlens, attn_mask)

@@ -7,8 +7,8 @@ floor relative to the magnitude of the values.
 import numpy as np
 
 from numba_flash.extras import NO_EXTRAS
-from numba_flash.reference import (alibi_bias, expand_kv, per_sequence, reduce_kv, score_mod,
-                                   visible)
+from numba_flash.reference import (biased_and_masked, expand_kv, per_sequence, reduce_kv,
+                                   score_mod)
 
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-12}
 
@@ -66,10 +66,7 @@ def _masked_scores(xp, q, k, spec, extras):
     k = expand_kv(xp, k, spec.group)
     s = xp.einsum("bqhd,bkhd->bhqk", q, k).astype(xp.float32) * xp.float32(spec.softmax_scale)
     s, ds_dscaled = score_mod(xp, s, spec)
-    if spec.alibi:
-        s = s + alibi_bias(xp, extras.alibi_slopes, q.shape[1], k.shape[1], xp.float32)
-    mask = visible(xp, spec, q.shape[1], k.shape[1])
-    return (s if mask is None else xp.where(mask, s, xp.float32(-xp.inf))), ds_dscaled
+    return biased_and_masked(xp, s, spec, extras, xp.float32), ds_dscaled
 
 
 def plain16_forward(xp, q, k, v, spec, dtype, extras=NO_EXTRAS):

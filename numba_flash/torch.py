@@ -34,12 +34,14 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-              alibi_slopes=None, backend="auto"):
+              alibi_slopes=None, attn_mask=None, backend="auto"):
     """Differentiable exact attention of torch tensors; see numba_flash.forward for the
-    arguments (k and v may have fewer heads than q: GQA; alibi_slopes, a float32 tensor, gets
-    no gradient). Returns the output only (the log-sum-exp is kept for the backward)."""
+    arguments (k and v may have fewer heads than q: GQA; alibi_slopes, a float32 tensor, and
+    attn_mask, boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
+    get no gradient). Returns the output only (the log-sum-exp is kept for the backward)."""
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+                   softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+                   backend=backend)
     return FlashAttentionFunction.apply(q, k, v, options)
 
 

@@ -12,8 +12,8 @@ may have on the target, OPT_IN_SHARED_BYTES).
     python scripts/ptx_check.py --cc 80 90 [--variants]
 
 --variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
-once (GQA, a causal sliding window, softcap: the most registers a variant takes), named
-"variants".
+once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
+takes), named "variants", and with a floating attn_mask instead of varlen, named "masked".
 """
 import argparse
 import glob
@@ -84,16 +84,24 @@ def ptxas_report(ptxas, ptx, cc):
 
 
 VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True, varlen=True)
+#: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no mask)
+MASKED = dict(VARIANTS, varlen=False)
 
 
 def _specs(head_dim, dtype, variants):
-    """(tag word, spec, the signature of the kernels' last three arguments): full and
-    causal, or with variants all of them at once."""
+    """(tag word, spec, the signature of the kernels' last four arguments): full and
+    causal, or with variants all of them at once ("variants"), and all but varlen with a
+    floating mask of q's dtype ("masked")."""
+    f3 = "float32[:, :, :]"
     if variants:
         yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
-               ", float32[:, :], int32[::1], int32[::1]")
+               f", float32[:, :], int32[::1], int32[::1], {f3}")
+        mask = "float32" if dtype == "float32" else "uint16"  # (16-bit masks: their bits)
+        yield ("masked", AttentionSpec(head_dim=head_dim, dtype=dtype, attn_mask=dtype,
+                                       **MASKED),
+               f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :]")
         return
-    unused = ", float32[:, :, :]" * 3  # (the lse array: launch.kernel_extras_unused)
+    unused = f", {f3}" * 4  # (the lse array: launch.kernel_extras_unused)
     yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype), unused
     yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True), unused
 
@@ -177,14 +185,14 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                        mma_dq_kernel_function(bwd, spec),
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32{extras})",
                        dq_bytes)
-                if head_dim == 64 and kind != "variants":  # contiguous arrays, as the
+                if head_dim == 64 and kind in ("full", "causal"):  # contiguous arrays, as the
                     # backend usually passes them: the d64 dK/dV kernel's occupancy hangs on
                     # its registers (168 or fewer for three blocks of 128 threads per
                     # multiprocessor)
                     c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
                     yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
                            f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32"
-                           f"{', float32[:, :, ::1]' * 3})", dk_dv_bytes)
+                           f"{', float32[:, :, ::1]' * 4})", dk_dv_bytes)
 
 
 def main(argv=None):

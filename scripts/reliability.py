@@ -66,8 +66,9 @@ def sanitize(numba_flash, cp, torch):
 
 def sanitize_variants(numba_flash, cp, torch):
     """The variants' kernels at odd sizes, every engine: GQA with a window, softcap and ALiBi
-    at once, and varlen (sequences without queries or keys among them), each call twice (the
-    second a replay)."""
+    at once, varlen (sequences without queries or keys among them), and attention masks (a
+    boolean key padding mask, a float mask per head broadcast over the batch), each call twice
+    (the second a replay)."""
     rng = np.random.default_rng(1)
     lengths = [(37, 20), (0, 9), (70, 81), (5, 0)]
     cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
@@ -87,7 +88,19 @@ def sanitize_variants(numba_flash, cp, torch):
             if dtype == "bfloat16":
                 slopes = torch.from_dlpack(slopes)
             options = dict(causal=True, window_size=(19, -1), softcap=5.0, alibi_slopes=slopes)
+            kept = cp.asarray([50, 61])  # keys per batch entry (the rest padding)
+            padding = cp.arange(61)[None, None, None, :] < kept[:, None, None, None]
+            bias = cp.asarray(rng.standard_normal((4, 45, 61)), cp.float32)
+            if dtype == "bfloat16":
+                padding, bias = torch.from_dlpack(padding), torch.from_dlpack(bias)
+            elif dtype == "float16":
+                bias = bias.astype(cp.float16)
+            masks = [dict(attn_mask=padding, causal=True), dict(attn_mask=bias, softcap=5.0)]
             for _ in range(2):
+                for mask in masks:
+                    out, lse = numba_flash.forward(q, k, v, backend=backend, **mask)
+                    numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **mask)
+                    calls += 2
                 out, lse = numba_flash.forward(q, k, v, backend=backend, **options)
                 numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **options)
                 out, lse = numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,

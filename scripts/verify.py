@@ -49,11 +49,15 @@ GPU_VARIANTS = [
     ((1, 1200, 1200, 4, 96), 2, False, dict(softcap=5.0, window_size=(100, 100))),
     ((2, 1000, 1300, 4, 128), 2, True, dict(alibi=True)),
     ((1, 1100, 900, 4, 64), 4, False, dict(alibi=True, softcap=20.0, window_size=(300, 50))),
+    ((2, 1000, 1200, 4, 128), 2, False, dict(mask="padding")),
+    ((2, 900, 900, 4, 64), 4, True, dict(mask="float", softcap=20.0)),
 ]
 SIM_VARIANTS = [
     ((1, 30, 37, 4, 32), 2, True, dict(softcap=2.0)),
     ((1, 40, 29, 2, 16), 1, False, dict(window_size=(5, 2))),
     ((2, 21, 26, 2, 16), 1, True, dict(alibi=True)),
+    ((2, 19, 23, 2, 16), 1, False, dict(mask="padding")),
+    ((1, 22, 22, 2, 16), 2, True, dict(mask="float")),
 ]
 LONG = (1, 65536, 65536, 8, 64)  # forward only: the cupy backend would need O(N^2) memory
 
@@ -100,8 +104,9 @@ class Inputs:
         tensor = torch.from_numpy(to_host(x)) if host or not self.on_gpu else torch.from_dlpack(x)
         return tensor.to(torch.bfloat16)
 
-    def float32_for_backend(self, x, host):
-        """A float32 array beside the inputs (ALiBi slopes): torch for bfloat16 cases."""
+    def beside_for_backend(self, x, host):
+        """An array beside the inputs (ALiBi slopes, a mask) as it is, or torch for bfloat16
+        cases; a float mask of a bfloat16 case in bfloat16."""
         if self.dtype != "bfloat16":
             return to_host(x) if host else x
         import torch
@@ -116,13 +121,17 @@ def _variant_name(nheads, kv_heads, options):
         words.append(f"cap{options['softcap']:g}")
     if options.get("alibi"):
         words.append("alibi")
+    if options.get("mask"):
+        words.append(f"mask:{options['mask']}")
     return " ".join(words)
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads=None,
                 options=None):
     """One case: shape (batch, seqlen_q, seqlen_k, nheads, headdim); kv_heads (GQA) and
-    options (window_size, softcap, alibi: random (batch, nheads) slopes) for the variants."""
+    options (window_size, softcap, alibi: random (batch, nheads) slopes; mask: "padding", a
+    boolean (batch, 1, 1, seqlen_k) key padding mask, or "float", a (nheads, seqlen_q,
+    seqlen_k) mask of the dtype with some -inf) for the variants."""
     from numba_flash.extras import NO_EXTRAS, Extras
     from numba_flash.reference import attention_backward, attention_forward
     from numba_flash.spec import make_spec
@@ -131,17 +140,20 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     kv_heads, options = kv_heads or nheads, dict(options or {}, causal=causal)
     case = (f"{dtype:8s} {'causal' if causal else 'full  '} B{batch} H{nheads} "
             f"Nq{seqlen_q} Nk{seqlen_k} D{headdim} {_variant_name(nheads, kv_heads, options)}")
-    alibi = options.pop("alibi", False)
+    alibi, mask_kind = options.pop("alibi", False), options.pop("mask", None)
     slopes = xp.asarray(rng.uniform(0.02, 0.5, (batch, nheads)).astype(np.float32))
-    extras = Extras(slopes) if alibi else NO_EXTRAS
     bf16 = dtype == "bfloat16"
+    mask = _mask(xp, rng, mask_kind, shape, dtype)
+    extras = (Extras(slopes if alibi else None, attn_mask=mask) if alibi or mask is not None
+              else NO_EXTRAS)
+    mask_dtype = None if mask is None else "bool" if mask_kind == "padding" else dtype
     values = list(harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype))
     values[1:3] = [xp.ascontiguousarray(x[:, :, :kv_heads]) for x in values[1:3]]
     if bf16:
         values = [round16(xp, x, dtype) for x in values]
     inputs = Inputs(xp, values, dtype, on_gpu)
     q, k, v, dout = values
-    spec = make_spec(q, k, alibi=alibi, **options)
+    spec = make_spec(q, k, alibi=alibi, attn_mask=mask_dtype and str(mask.dtype), **options)
     ref_out, ref_lse = attention_forward(xp, q, k, v, spec, "float64", extras)
     # out and lse handed to backward: the reference's, rounded as forward would return them.
     out_in = (round16(xp, ref_out, dtype) if bf16 else
@@ -173,7 +185,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
             continue
         args = [inputs.for_backend(x, host) for x in (q, k, v)]
         backend = numba_flash.get_backend(name)
-        backend_spec = make_spec(args[0], args[1], alibi=alibi, **options)
+        backend_spec = make_spec(args[0], args[1], alibi=alibi, attn_mask=mask_dtype, **options)
         reason = backend.supports(backend_spec, *args)
         if reason:
             table.skip(name, case, reason)
@@ -192,7 +204,10 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
         if on_gpu and not host:
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
         if alibi:  # (float32, the library and place of the backend's q)
-            options["alibi_slopes"] = inputs.float32_for_backend(slopes, host)
+            options["alibi_slopes"] = inputs.beside_for_backend(slopes, host)
+        if mask is not None:
+            options["attn_mask"] = (inputs.for_backend(mask, host) if mask_dtype == "bfloat16"
+                                    else inputs.beside_for_backend(mask, host))
         out, lse = numba_flash.forward(*args, backend=name, **options)
         table.add(name, case, "out", max_error(to_host(out), ref_out), limits["out"])
         table.add(name, case, "lse", max_error(to_host(lse), ref_lse), limits["lse"])
@@ -205,8 +220,26 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
             harness.poison_memory_pool(8 * q.nbytes + 4 * k.nbytes)
         grads = numba_flash.backward(*bargs, backend=name, **options)
         options.pop("alibi_slopes", None)
+        options.pop("attn_mask", None)
         for gname, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             table.add(name, case, gname, max_error(to_host(got), ref), limits[gname])
+
+
+def _mask(xp, rng, kind, shape, dtype):
+    """A case's attn_mask (see verify_case; a bfloat16 case's float mask as float32 values
+    that bfloat16 holds), or None."""
+    from numba_flash.testing import round16
+    batch, seqlen_q, seqlen_k, nheads, _ = shape
+    if kind == "padding":
+        lengths = xp.asarray(rng.integers(seqlen_k // 2, seqlen_k + 1, batch))
+        return xp.arange(seqlen_k)[None, None, None, :] < lengths[:, None, None, None]
+    if kind != "float":
+        return None
+    values = rng.standard_normal((nheads, seqlen_q, seqlen_k)) * 2
+    values[rng.random(values.shape) < 0.1] = -np.inf
+    if dtype == "bfloat16":
+        return round16(xp, xp.asarray(values, np.float32), dtype)
+    return xp.asarray(values.astype(dtype))
 
 
 def verify_long(table, numba_flash, xp, rng, causal, shape=LONG):

@@ -1,6 +1,7 @@
 """The tensor-core kernels' test cases, shared by tests/kernels/mma and tests/variants: 16-bit
 inputs as bit patterns, one launch into poisoned outputs, every result checked against float64.
-`options` are AttentionSpec fields (window_left, window_right, softcap, alibi); kv_heads (GQA)
+`options` are AttentionSpec fields (window_left, window_right, softcap, alibi, attn_mask: a
+random mask of that dtype); kv_heads (GQA)
 gives k and v fewer heads than q; `lengths` [(seqlen_q, seqlen_k) per sequence] makes the case
 varlen: the kernels see the sequences packed along a batch axis of one (their view of
 forward_varlen's arrays), the references the packed arrays themselves."""
@@ -62,8 +63,31 @@ class Layout:
         # view of those broadcasts them over the batch)
         slopes = (rng.uniform(0.05, 1.0, (sequences, nheads) if self.varlen else nheads)
                   .astype(np.float32) if spec.alibi else None)
-        self.extras = (Extras(slopes, *cu) if spec.alibi or self.varlen else NO_EXTRAS)
+        mask, self.mask_bits = self._mask(rng, spec.attn_mask, (batch, nheads) + self.rows)
+        self.extras = (Extras(slopes, *cu, mask) if spec.alibi or self.varlen or mask is not None
+                       else NO_EXTRAS)
         self.lse_shape = (self.batch, nheads, self.rows[0])
+
+    @staticmethod
+    def _mask(rng, dtype, shape):
+        """(attn_mask of that dtype for the references, what the kernels take: bfloat16 as
+        its bits), with random dimensions of 1 (broadcast), and a query row the mask hides
+        every key from (a boolean mask's False, a float mask's -inf) where rows do not
+        broadcast."""
+        if dtype is None:
+            return None, None
+        shape = tuple(1 if rng.random() < 0.35 else n for n in shape)
+        if dtype == "bool":
+            mask = rng.random(shape) < 0.7
+        else:
+            mask = rng.standard_normal(shape) * 2
+            mask[rng.random(shape) < 0.1] = -np.inf
+        if shape[2] > 1:
+            mask[..., rng.integers(shape[2]), :] = False if dtype == "bool" else -np.inf
+        if dtype != "bfloat16":
+            return mask.astype(dtype), None
+        bits = bf16_bits(np, mask)
+        return bf16_values(np, bits), bits
 
     def draw(self, side, nheads):
         return self.rng.standard_normal((self.batch, self.rows[side], nheads, self.head_dim))
@@ -71,9 +95,12 @@ class Layout:
     def ref(self, x):
         return x[0] if self.varlen else x
 
-    def kernel_extras(self, spec, q, unused):
+    def kernel_extras(self, spec, q, k, unused):
         from numba_flash.backends.numba.marshal import kernel_extras
-        return kernel_extras(spec, self.extras, q, unused)
+        extras = self.extras
+        if self.mask_bits is not None:
+            extras = extras._replace(attn_mask=self.mask_bits)
+        return kernel_extras(spec, extras, q, k, unused)
 
 
 def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
@@ -87,7 +114,7 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, 
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_mma_forward(spec, qb, kb, vb, out, lse, config=config,
-                       extras=case.kernel_extras(spec, qb, lse))
+                       extras=case.kernel_extras(spec, qb, kb, lse))
     q, k, v = (case.ref(x) for x in (q, k, v))
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
     base_out, _ = plain16_forward(np, q, k, v, spec, dtype, case.extras)
@@ -118,7 +145,7 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     kernel_lse = lse.reshape(case.lse_shape)
     outb = outb.reshape(qb.shape)
     launch_mma_backward(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
-                        extras=case.kernel_extras(spec, qb, kernel_lse))
+                        extras=case.kernel_extras(spec, qb, kb, kernel_lse))
     refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64, case.extras)
     bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):

@@ -297,14 +297,14 @@ _HOST_UNUSED = np.zeros(1, np.int32)
 
 
 def kernel_extras_unused(unused):
-    """The attention kernels' last three arguments (alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    for a call that has none of them: each takes `unused`, a device array the launch passes
-    anyway (the kernels of such a spec never read these arguments), so that no array is made
-    for them and a replay finds every address among the call's arrays; for host arrays (the
-    simulator, kernel tests) a one-element array instead."""
+    """The attention kernels' last four arguments (alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+    attn_mask) for a call that has none of them: each takes `unused`, a device array the
+    launch passes anyway (the kernels of such a spec never read these arguments), so that no
+    array is made for them and a replay finds every address among the call's arrays; for host
+    arrays (the simulator, kernel tests) a one-element array instead."""
     if isinstance(unused, np.ndarray):
         unused = _HOST_UNUSED
-    return unused, unused, unused
+    return unused, unused, unused, unused
 
 
 def launch(kernel, grid, block, stream, shared_bytes, *args):

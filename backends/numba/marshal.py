@@ -35,29 +35,40 @@ def view(x, bits=False):
     return result.view(np.uint16) if bits else result
 
 
-def kernel_extras(spec, extras, q_view, unused):
-    """The attention kernels' (alibi_slopes, cu_seqlens_q, cu_seqlens_k) arguments: views of
-    the call's numba_flash.extras.Extras, and `unused` where the spec has none. The slopes
-    are seen as (sequences, nheads): a (nheads,) array through a batch stride of 0 (copied
-    under the simulator, which takes whole buffers)."""
+def kernel_extras(spec, extras, q_view, k_view, unused):
+    """The attention kernels' (alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask)
+    arguments: views of the call's numba_flash.extras.Extras, and `unused` where the spec has
+    none. The slopes are seen as (sequences, nheads): a (nheads,) array through a batch
+    stride of 0; the mask as (batch, nheads, seqlen_q, seqlen_k) through strides of 0 where
+    it broadcasts, 16-bit floats as their bits (device/attn_mask.py). (The simulator, which
+    takes whole buffers, gets copies.)"""
     unused = kernel_extras_unused(unused)[0]
-    if not (spec.alibi or spec.varlen):
-        return unused, unused, unused
+    if not (spec.alibi or spec.varlen or spec.attn_mask):
+        return unused, unused, unused, unused
     cu_q, cu_k = ((view(extras.cu_seqlens_q), view(extras.cu_seqlens_k)) if spec.varlen
                   else (unused, unused))
+    batch = int(cu_q.shape[0]) - 1 if spec.varlen else int(q_view.shape[0])
     slopes = unused
     if spec.alibi:
-        slopes = view(extras.alibi_slopes)
-        if slopes.ndim == 1:
-            batch = int(cu_q.shape[0]) - 1 if spec.varlen else int(q_view.shape[0])
-            shape = (batch, int(slopes.shape[0]))
-            if isinstance(slopes, DeviceView):
-                slopes = DeviceView(slopes.ptr, shape, (0, slopes.strides[0]), slopes.dtype,
-                                    slopes.owner)
-            else:
-                slopes = np.array(np.broadcast_to(slopes, shape))  # (a writeable copy: the
-                #                                                       simulator writes back)
-    return slopes, cu_q, cu_k
+        slopes = broadcast(view(extras.alibi_slopes), (batch, int(q_view.shape[2])))
+    attn_mask = unused
+    if spec.attn_mask:
+        shape = (batch, int(q_view.shape[2]), int(q_view.shape[1]), int(k_view.shape[1]))
+        attn_mask = broadcast(view(extras.attn_mask, bits=spec.float_mask and
+                                   spec.attn_mask != "float32"), shape)
+    return slopes, cu_q, cu_k, attn_mask
+
+
+def broadcast(x_view, shape):
+    """x's view broadcast to `shape` (NumPy's rule: missing leading dimensions and dimensions
+    of 1 repeat): on the GPU through strides of 0, nothing copied; under the simulator a
+    contiguous, writeable copy (it copies its arguments in and back, whole)."""
+    if not isinstance(x_view, DeviceView):
+        return np.array(np.broadcast_to(x_view, shape), order="C")
+    lead = len(shape) - x_view.ndim
+    strides = [0] * lead + [0 if n == 1 else stride
+                            for n, stride in zip(x_view.shape, x_view.strides)]
+    return DeviceView(x_view.ptr, shape, strides, x_view.dtype, x_view.owner)
 
 
 def is_tile_ready(x_view, head_dim):

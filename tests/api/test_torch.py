@@ -74,6 +74,41 @@ def test_alibi_gradients_match_torch_math_attention_with_the_bias(rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_gradients_match_torch_math_attention(rng, mode, kind):
+    """attn_mask through the autograd Function: SDPA's math attention with the same mask (a
+    key padding mask per batch entry, or a bias per head broadcast over the batch) gives the
+    same output and gradients; the mask gets no gradient."""
+    device = "cuda" if mode == "gpu" else "cpu"
+    (seqlen_q, seqlen_k), dim = ((9, 11), 8) if mode == "simulator" else ((300, 513), 32)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.randn(2, n, 2, dim, generator=gen).to(device).requires_grad_()
+               for n in (seqlen_q, seqlen_k, seqlen_k))
+    if kind == "bool":  # batch entry 1 pads its last keys
+        mask = torch.ones(2, 1, 1, seqlen_k, dtype=torch.bool)
+        mask[1, ..., seqlen_k - 5:] = False
+    else:
+        mask = torch.randn(2, seqlen_q, seqlen_k, generator=gen)
+    mask = mask.to(device)
+    if kind == "float":
+        mask.requires_grad_()
+    weight = torch.randn(2, seqlen_q, 2, dim, generator=gen).to(device)
+    out = numba_flash.torch.attention(q, k, v, attn_mask=mask, backend="numba")
+    (out * weight).sum().backward()
+
+    qh, kh, vh = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref_mask = mask.detach() if kind == "bool" else mask.detach().double()
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=ref_mask)
+    (ref.transpose(1, 2) * weight.double()).sum().backward()
+    assert float((out.detach().double() - ref.transpose(1, 2).detach()).abs().max()) < 1e-5
+    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), (qh, kh, vh)):
+        expected = leaf.grad.transpose(1, 2)
+        err = float((got.double() - expected).abs().max())
+        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
+    assert mask.grad is None
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_varlen_gradients_match_each_sequence_alone(rng, mode):
     """attention_varlen's output and gradients are those of torch's math attention on each
     packed sequence alone (bottom-right causal, GQA 2), a sequence without keys included."""

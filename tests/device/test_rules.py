@@ -18,6 +18,9 @@ from numba_flash.backends.numba.device.softmax import (finalize, grad_score, lse
                                                        online_update, probability)
 from numba_flash.reference import score_mod, visible
 from numba_flash.spec import AttentionSpec
+from numba_flash.testing import bf16_bits, bf16_values
+
+NO_MASK = (None, 0, 0)  # the (attn_mask, b, h) of a call without a mask: never read
 
 WINDOW_SIDE = st.one_of(st.just(-1), st.integers(0, 12), st.just(100))
 SIZES = dict(seqlen_q=st.integers(1, 70), seqlen_k=st.integers(1, 70),
@@ -42,7 +45,7 @@ def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal
     seen = make_mask(spec)
     truth = _truth(spec, seqlen_q, seqlen_k)
     offset = seqlen_k - seqlen_q
-    got = np.array([[seen(i, j, seqlen_k, offset) for j in range(seqlen_k + block_n)]
+    got = np.array([[seen(i, j, seqlen_k, offset, NO_MASK) for j in range(seqlen_k + block_n)]
                     for i in range(seqlen_q)])
     assert np.array_equal(got[:, :seqlen_k], truth)
     assert not got[:, seqlen_k:].any()  # the zero-filled tail of the last key tile
@@ -137,7 +140,8 @@ def test_softcap_is_the_reference_score_mod_in_log2_units(softcap, scale, s):
     tile_scale, pre = mod.scales(np.float32(scale * float(LOG2E)))
     assert tile_scale == 1  # modified scores are in log2 units already
     want, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
-    args = (np.float32(s), pre, np.float32(0.0), 7, 3)  # (no ALiBi: slope and positions unused)
+    # (no ALiBi: slope and positions unused)
+    args = (np.float32(s), pre, np.float32(0.0), 7, 3, 0, 9, NO_MASK)
     got = mod.score(*args) / float(LOG2E)
     got_too, grad = mod.score_and_grad(*args)
     assert mod.active and got_too == mod.score(*args)
@@ -160,9 +164,10 @@ def test_alibi_adds_the_reference_bias_after_the_softcap(softcap, scale, s, slop
     assert abs(slope_log2 - slope * float(LOG2E)) <= 1e-6 * slope
     capped, want_grad = score_mod(np, np.float64(np.float32(s)) * scale, spec)
     want = capped - np.float64(np.float32(slope)) * abs(query_pos - key_pos)
-    got_log2, grad = mod.score_and_grad(np.float32(s), pre, slope_log2, query_pos, key_pos)
+    args = (np.float32(s), pre, slope_log2, query_pos + 50, key_pos, -50, 81, NO_MASK)
+    got_log2, grad = mod.score_and_grad(*args)  # (row query_pos + 50 at offset -50)
     assert mod.active
-    assert got_log2 == mod.score(np.float32(s), pre, slope_log2, query_pos, key_pos)
+    assert got_log2 == mod.score(*args)
     got = got_log2 / float(LOG2E)
     assert abs(got - want) <= 2e-6 * (softcap + abs(s * scale) + slope * 130)
     assert abs(grad - (1 if want_grad is None else want_grad)) <= 1e-5
@@ -171,6 +176,45 @@ def test_alibi_adds_the_reference_bias_after_the_softcap(softcap, scale, s, slop
 def test_without_a_score_mod_the_raw_score_goes_on():
     mod = make_score_mod(AttentionSpec(16, "float32"))
     assert mod.active is False
-    assert mod.score_and_grad(np.float32(3.5), np.float32(7), np.float32(2), 1, 9) == (3.5, 1)
+    assert mod.score_and_grad(np.float32(3.5), np.float32(7), np.float32(2), 1, 9, 0, 10,
+                              NO_MASK) == (3.5, 1)
     assert mod.head_slope(None, 0, 0) == 0
     assert mod.scales(np.float32(0.25)) == (0.25, 1)  # raw scores: the exponential scales them
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_float_mask_adds_its_element_in_log2_units_inside_the_bounds(rng, dtype):
+    """The score mod reads mask[b, h, row, col] (16-bit masks as their bits); past seqlen_q
+    or seqlen_k it adds nothing (and reads nothing)."""
+    values = rng.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    if dtype == "float16":
+        values = values.astype(np.float16)
+        mask = values.view(np.uint16)
+    elif dtype == "bfloat16":
+        mask = bf16_bits(np, values)
+        values = bf16_values(np, mask)
+    else:
+        mask = values
+    mod = make_score_mod(AttentionSpec(16, "float32", attn_mask=dtype))
+    assert mod.active
+    offset = 7 - 5
+    for row in range(7):
+        for col in range(9):
+            got = mod.score(np.float32(1.5), np.float32(2.0), np.float32(0), row, col, offset, 7,
+                            (mask, 1, 2))
+            inside = row < 5 and col < 7
+            want = 3.0 + (float(values[1, 2, row, col]) * float(LOG2E) if inside else 0.0)
+            assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (row, col)
+
+
+def test_a_bool_mask_hides_what_it_says_and_everything_outside_the_bounds(rng):
+    mask = rng.random((1, 2, 4, 6)) < 0.5
+    window = AttentionSpec(16, "float32", attn_mask="bool", window_left=1, window_right=1)
+    seen = make_mask(window, key_bound=False)
+    offset = 6 - 4
+    truth = _truth(window, 4, 6) & mask[0, 1]
+    got = np.array([[seen(i, j, 6, offset, (mask, 0, 1)) for j in range(8)] for i in range(6)])
+    assert np.array_equal(got[:4, :6], truth)
+    assert not got[4:].any() and not got[:, 6:].any()  # (rows, keys past the ends: not read)
+    partial = make_block_range(window, 4, 4)[3]
+    assert partial(0, 0, 4, 6)  # every tile of a masked call is partial

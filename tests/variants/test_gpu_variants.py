@@ -1,12 +1,12 @@
 """The variants at real sizes on a CUDA GPU (`python -m pytest -m gpu`): every Numba engine and
 the cupy backend through the API, forward and backward, against float64 by the accuracy rule
-(varlen too); GQA's dK/dV bitwise deterministic."""
+(varlen and attention masks too); GQA's dK/dV bitwise deterministic."""
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
 
 import numba_flash
-from numba_flash.extras import NO_EXTRAS, Extras
+from numba_flash.extras import Extras
 from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 from numba_flash.testing import plain16_backward, plain16_forward, round16
@@ -25,6 +25,10 @@ CASES = [
     ("alibi-causal-gqa2", (2, 1000, 1300, 4, 2, 128), dict(causal=True, alibi=True)),
     ("alibi-per-head-softcap-window-d64", (2, 1100, 900, 4, 4, 64),
      dict(alibi="per-head", softcap=20.0, window_size=(300, 50))),
+    ("bool-padding-mask-gqa2", (2, 1000, 1200, 4, 2, 128), dict(mask="padding")),
+    ("float-mask-per-head-causal-d64", (2, 900, 900, 4, 4, 64), dict(mask="float", causal=True)),
+    ("bool-mask-softcap-window", (1, 700, 800, 2, 1, 128),
+     dict(mask="bool", softcap=20.0, window_size=(200, 100))),
 ]
 IDS = [case[0] for case in CASES]
 
@@ -40,11 +44,12 @@ def _values(cp, rng, shape, dtype):
     return values
 
 
-def _as(values, dtype):
+def _as(values, dtype, torch_too=False):
+    """CuPy arrays of dtype, torch tensors for bfloat16 (or, with torch_too, for any)."""
     import cupy as cp
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" or torch_too:
         torch = pytest.importorskip("torch")
-        return [torch.from_dlpack(x).to(torch.bfloat16) for x in values]
+        return [torch.from_dlpack(x).to(getattr(torch, dtype)) for x in values]
     return [x.astype(getattr(cp, dtype)) for x in values]
 
 
@@ -65,22 +70,44 @@ def _plain(cp, dtype):
             lambda *a: attention_backward(cp, *a[:-1], dtype, a[-1]))
 
 
-def _slopes(cp, rng, options, batch, nheads, dtype):
+def _extras(cp, rng, options, shape, dtype):
     """(options for the API, Extras for the references): ALiBi slopes (batch, nheads) for
-    options with alibi=True, (nheads,) for alibi="per-head", as a torch tensor for bfloat16
-    (whose arrays are torch's)."""
+    options with alibi=True, (nheads,) for alibi="per-head"; an attn_mask for mask="padding"
+    (boolean (batch, 1, 1, seqlen_k): each batch entry's last keys padding), "bool" (boolean
+    (batch, nheads, seqlen_q, seqlen_k)) or "float" (q's dtype, (nheads, seqlen_q, seqlen_k),
+    some -inf); torch tensors for bfloat16 (whose arrays are torch's)."""
     options = dict(options)
-    alibi = options.pop("alibi", False)
-    if not alibi:
-        return options, NO_EXTRAS
-    shape = nheads if alibi == "per-head" else (batch, nheads)
-    slopes = cp.asarray(rng.uniform(0.02, 0.5, shape), cp.float32)
-    if dtype == "bfloat16":
-        import torch
-        options["alibi_slopes"] = torch.from_dlpack(slopes)
-    else:
-        options["alibi_slopes"] = slopes
-    return options, Extras(slopes)
+    alibi, mask_kind = options.pop("alibi", False), options.pop("mask", None)
+    batch, seqlen_q, seqlen_k, nheads = shape[:4]
+    slopes = mask = None
+    if alibi:
+        slopes = cp.asarray(rng.uniform(0.02, 0.5, nheads if alibi == "per-head"
+                                        else (batch, nheads)), cp.float32)
+        options["alibi_slopes"] = _as([slopes], "float32", torch_too=dtype == "bfloat16")[0]
+    if mask_kind == "padding":
+        lengths = cp.asarray(rng.integers(seqlen_k // 2, seqlen_k + 1, batch))
+        mask = cp.arange(seqlen_k)[None, None, None, :] < lengths[:, None, None, None]
+    elif mask_kind == "bool":
+        mask = cp.asarray(rng.random((batch, nheads, seqlen_q, seqlen_k)) < 0.8)
+    elif mask_kind == "float":
+        values = rng.standard_normal((nheads, seqlen_q, seqlen_k)) * 2
+        values[rng.random(values.shape) < 0.1] = -np.inf
+        values = cp.asarray(values, cp.float32)
+        mask = values if dtype == "float32" else round16(cp, values, dtype)
+    if mask is not None:
+        mask_dtype = "bool" if mask.dtype == cp.bool_ else dtype
+        options["attn_mask"] = _as([mask], mask_dtype, torch_too=dtype == "bfloat16")[0]
+    return options, Extras(slopes, attn_mask=mask)
+
+
+def _spec(q, k, options, extras, **varlen):
+    """The call's spec, for the references."""
+    mask = extras.attn_mask
+    return make_spec(q, k, alibi=extras.alibi_slopes is not None,
+                     attn_mask=None if mask is None else str(options["attn_mask"].dtype)
+                     .replace("torch.", ""), **varlen,
+                     **{key: x for key, x in options.items()
+                        if key not in ("alibi_slopes", "attn_mask")})
 
 
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
@@ -91,9 +118,8 @@ def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
     values = _values(cp, rng, shape, dtype)
     q, k, v, dout = values
     arrays = _as(values, dtype)
-    options, extras = _slopes(cp, rng, options, shape[0], shape[3], dtype)
-    spec = make_spec(q, k, alibi=extras.alibi_slopes is not None,
-                     **{key: x for key, x in options.items() if key != "alibi_slopes"})
+    options, extras = _extras(cp, rng, options, shape, dtype)
+    spec = _spec(q, k, options, extras)
     grads = _check_forward_and_backward(
         cp, dtype, values, arrays, spec, extras,
         lambda *a: numba_flash.forward(*a, backend=backend, **options),
@@ -148,11 +174,10 @@ def test_varlen_on_gpu(cp, rng, backend, dtype, options):
         values.append(x if dtype == "float32" else round16(cp, x, dtype))
     q, k, v, dout = values
     arrays = _as(values, dtype)
-    options, extras = _slopes(cp, rng, options, len(VARLEN_LENGTHS), 8, dtype)
+    options, extras = _extras(cp, rng, options, (len(VARLEN_LENGTHS), max_q, max_k, 8), dtype)
     extras = extras._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     varlen = (cu_q, cu_k, max_q, max_k)
-    spec = make_spec(q, k, alibi=extras.alibi_slopes is not None, max_seqlens=(max_q, max_k),
-                     **{key: x for key, x in options.items() if key != "alibi_slopes"})
+    spec = _spec(q, k, options, extras, max_seqlens=(max_q, max_k))
     shapes = []
 
     def forward(*qkv):

@@ -20,8 +20,9 @@ def test_simt_kernels(rng, name, shape, kv_heads, causal, options, dtype, async_
        head_dim=st.sampled_from([4, 12, 24]),
        loads=st.sampled_from([("float32", True), ("float32", False), ("float16", False)]))
 def test_simt_kernels_on_sampled_combinations(batch, seqlen_q, seqlen_k, kv_heads, group,
-                                              causal, window, softcap, alibi, varlen, seed,
-                                              head_dim, loads):
+                                              causal, window, softcap, alibi, varlen, mask,
+                                              seed, head_dim, loads):
     shape = (batch, seqlen_q, seqlen_k, kv_heads * group, head_dim)
     run_simt(np.random.default_rng(seed), shape, kv_heads, causal, *loads,
-             spec_options(window, softcap, alibi, varlen, batch, seqlen_q, seqlen_k, seed))
+             spec_options(window, softcap, alibi, varlen, batch, seqlen_q, seqlen_k, seed,
+                          mask))

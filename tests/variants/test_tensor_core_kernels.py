@@ -16,9 +16,12 @@ from variant_cases import FIXED, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_option
 # more sampled.
 MMA_CASES = [case + ("float16",) for case in FIXED if case[0] in (
     "mqa-causal", "gqa2-window-within-a-tile", "rows-that-see-no-key", "gqa4-softcap-causal",
-    "alibi-causal-gqa2", "varlen-causal-gqa2")]
+    "alibi-causal-gqa2", "varlen-causal-gqa2", "bool-mask-causal-gqa2",
+    "float-mask-alibi-softcap")]
 MMA_CASES.append(next(case for case in MMA_CASES if case[0] == "gqa4-softcap-causal")[:5]
                  + ("bfloat16",))
+MMA_CASES.append(("bfloat16-mask-causal", (1, 18, 18, 2, 16), 1, True,
+                  dict(attn_mask="bfloat16"), "bfloat16"))
 
 
 @pytest.mark.parametrize("name, shape, kv_heads, causal, options, dtype", MMA_CASES,
@@ -31,11 +34,13 @@ def test_tensor_core_kernels(rng, name, shape, kv_heads, causal, options, dtype)
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_tensor_core_kernels_on_sampled_combinations(seqlen_q, seqlen_k, group, causal, window,
-                                                     softcap, alibi, varlen, seed, dtype):
+                                                     softcap, alibi, varlen, mask, seed,
+                                                     dtype):
     """(one batch, or two varlen sequences, and one key/value head: the simulated tensor
     cores are slow)"""
     rng = np.random.default_rng(seed)
     shape, kv_heads = (1, seqlen_q, seqlen_k, group, 16), 1
-    options = spec_options(window, softcap, alibi, varlen, 2, seqlen_q, seqlen_k, seed)
+    options = spec_options(window, softcap, alibi, varlen, 2, seqlen_q, seqlen_k, seed,
+                           mask)
     run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **options)
     run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **options)

@@ -33,6 +33,13 @@ FIXED = [
     ("alibi-causal-gqa2", (1, 13, 19, 2, 16), 1, True, dict(alibi=True)),
     ("alibi-softcap-window", (1, 21, 17, 1, 16), 1, False,
      dict(alibi=True, softcap=2.0, window_left=6, window_right=3)),
+    # attn_mask: random masks of the dtype, their dimensions of 1 at random (mma_cases.Layout)
+    ("bool-mask-causal-gqa2", (2, 17, 23, 2, 16), 1, True, dict(attn_mask="bool")),
+    ("bool-mask-window", (1, 21, 18, 1, 16), 1, False,
+     dict(attn_mask="bool", window_left=3, window_right=2)),
+    ("float-mask-alibi-softcap", (1, 19, 14, 2, 16), 1, False,
+     dict(attn_mask="float32", alibi=True, softcap=1.0)),
+    ("float16-mask-causal", (2, 15, 15, 2, 16), 2, True, dict(attn_mask="float16")),
     # varlen: (seqlen_q, seqlen_k) per sequence, with sequences without queries or keys
     ("varlen-causal-gqa2", (4, 17, 21, 2, 16), 1, True,
      dict(lengths=[(5, 9), (0, 4), (17, 21), (9, 0)])),
@@ -60,7 +67,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     out = np.full(q.shape, np.nan, dtype)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_forward(spec, q, k, v, out, lse, 0, SIMT_FORWARD, async_copy=async_copy,
-                   extras=case.kernel_extras(spec, q, lse))
+                   extras=case.kernel_extras(spec, q, k, lse))
     refs = [case.ref(x) for x in (q, k, v)]
     ref_out, ref_lse = attention_forward(np, *refs, spec, np.float64, case.extras)
     base_out, base_lse = plain_forward(*refs, spec)
@@ -72,7 +79,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     grads = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
     launch_backward(spec, dout, q, k, v, out, lse, delta, *grads, 0, async_copy=async_copy,
-                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, q, lse))
+                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, q, k, lse))
     ref_arrays = [case.ref(x) for x in (dout, q, k, v, out, lse)]
     refs = attention_backward(np, *ref_arrays, spec, np.float64, case.extras)
     bases = plain_backward(*ref_arrays, spec)
@@ -86,15 +93,16 @@ OPTIONS = dict(
     group=st.sampled_from([1, 2, 4, 8]), causal=st.booleans(),
     window=st.tuples(WINDOW_SIDE, WINDOW_SIDE),
     softcap=st.one_of(st.just(0.0), st.floats(0.2, 8.0)), alibi=st.booleans(),
-    varlen=st.booleans(), seed=st.integers(0, 2**32 - 1))
+    varlen=st.booleans(), mask=st.sampled_from([None, None, "bool", "float32"]),
+    seed=st.integers(0, 2**32 - 1))
 
 
 def spec_options(window, softcap, alibi, varlen=False, batch=1, seqlen_q=1, seqlen_k=1,
-                 seed=0):
+                 seed=0, mask=None):
     """The runners' options of a sampled case; with varlen, `batch` sequences of random
-    lengths up to seqlen_q and seqlen_k (0 included)."""
+    lengths up to seqlen_q and seqlen_k (0 included); else an attn_mask of dtype `mask`."""
     options = dict(window_left=window[0], window_right=window[1], softcap=softcap,
-                   alibi=alibi)
+                   alibi=alibi, attn_mask=None if varlen else mask)
     if varlen:
         rng = np.random.default_rng(seed + 1)
         lengths = [(int(rng.integers(0, seqlen_q + 1)), int(rng.integers(0, seqlen_k + 1)))

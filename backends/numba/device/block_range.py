@@ -3,9 +3,10 @@ and the class of a visited tile.
 
 Tiles wholly masked are never visited (the key tiles wholly in a query tile's future under
 causal, or out of its window); a visited tile is PARTIAL when some of its elements are masked
-(it straddles a window's edge, e.g. the causal diagonal, or overhangs the end of K) and FULL
-otherwise, so that full tiles skip the element predicate (mask.py). The ranges are in rows: a
-kernel loops `range(begin, end, BLOCK)`; they may be empty (no query of the tile sees a key).
+(it straddles a window's edge, e.g. the causal diagonal, or overhangs the end of K; every tile
+is, under a boolean attn_mask, which is read per element) and FULL otherwise, so that full
+tiles skip the element predicate (mask.py). The ranges are in rows: a kernel loops
+`range(begin, end, BLOCK)`; they may be empty (no query of the tile sees a key).
 """
 import functools
 
@@ -37,7 +38,7 @@ def make_block_range(spec, block_m, block_n, key_bound=True):
     seqlen_q; mask.py), so a tile's rows see one interval of keys, from its first row's left
     edge to its last row's right edge, and a key tile one interval of queries.
     """
-    left, right = spec.window_left, spec.window_right
+    left, right, masked = spec.window_left, spec.window_right, spec.bool_mask
     # Causal alone: the last query tiles see the most keys (windows: all about as many).
     longest_last = right >= 0 and left < 0
 
@@ -64,7 +65,7 @@ def make_block_range(spec, block_m, block_n, key_bound=True):
     @cuda.jit(device=True, inline="always")
     def is_partial(m0, n0, seqlen_q, seqlen_k):
         offset = seqlen_k - seqlen_q
-        partial = key_bound and n0 + block_n > seqlen_k
+        partial = masked or (key_bound and n0 + block_n > seqlen_k)
         if right >= 0:  # the first row does not see the tile's last key
             partial = partial or n0 + block_n - 1 > m0 + offset + right
         if left >= 0:  # the last row does not see the tile's first key

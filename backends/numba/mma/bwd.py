@@ -95,7 +95,7 @@ def mma_dk_dv_kernel_function(config, spec):
             stats[2 * stage + 1, r] = delta[b, h, m0 + r] if in_range else ZERO
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
-                            alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+                            alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -153,6 +153,7 @@ def mma_dk_dv_kernel_function(config, spec):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)
             slope = head_slope(alibi_slopes, seq, h_first + head)
+            mask_at = (attn_mask, b, h_first + head)  # (device/attn_mask.py)
             # Load: this query tile (one stage), or the next one, of this head or the next,
             # behind this one (two stages).
             if STAGES == 2:
@@ -179,10 +180,12 @@ def mma_dk_dv_kernel_function(config, spec):
                 for r in range(4):
                     c = 8 * nq + 2 * t + r % 2  # the query within the tile
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c + offset,
-                                                   key_lo + 8 * (r // 2))
+                    score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
+                                                   key_lo + 8 * (r // 2), offset, seqlen_k,
+                                                   mask_at)
                     p = probability(score, tile_scale, stats[2 * stage, c])
-                    if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset):
+                    if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
+                                               mask_at):
                         p = ZERO
                     s[0, nq, r] = p
                     dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[2 * stage + 1, c]) * dscore
@@ -238,7 +241,7 @@ def mma_dq_kernel_function(config, spec):
         load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, k_end, BLOCK_N)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                         cu_seqlens_q, cu_seqlens_k):
+                         cu_seqlens_q, cu_seqlens_k, attn_mask):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -256,6 +259,7 @@ def mma_dq_kernel_function(config, spec):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
+        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8
         lse_lo = lse_log2(lse[b, h, q_start + row_lo]) if row_lo < seqlen_q else POS_INF
@@ -317,9 +321,11 @@ def mma_dq_kernel_function(config, spec):
                     hi = r >= 2
                     col = n0 + 8 * nb + 2 * t + r % 2
                     score, dscore = score_and_grad(s[0, nb, r], pre, slope,
-                                                   (row_hi if hi else row_lo) + offset, col)
+                                                   row_hi if hi else row_lo, col, offset,
+                                                   seqlen_k, mask_at)
                     p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                    if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset):
+                    if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset,
+                                               mask_at):
                         p = ZERO
                     s[0, nb, r] = p
                     dp[0, nb, r] = grad_score(p, dp[0, nb, r],

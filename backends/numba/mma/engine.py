@@ -46,7 +46,7 @@ class MmaEngine(Engine):
         out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
         lse_view = marshal.view(lse)
         launch_mma_forward(spec, *inputs, out_view, lse_view, stream,
-                           extras=marshal.kernel_extras(spec, extras, inputs[0], lse_view))
+                           extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 
@@ -58,7 +58,7 @@ class MmaEngine(Engine):
         lse_view = marshal.view(lse)
         launch_mma_backward(spec, *inputs, lse_view, marshal.view(delta),
                             *(kernel_view for kernel_view, _ in outputs), stream,
-                            extras=marshal.kernel_extras(spec, extras, inputs[1], lse_view))
+                            extras=marshal.kernel_extras(spec, extras, *inputs[1:3], lse_view))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)

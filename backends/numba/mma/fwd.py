@@ -96,7 +96,7 @@ def mma_forward_kernel_function(config, spec):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
-                          cu_seqlens_k):
+                          cu_seqlens_k, attn_mask):
         lane = cuda.threadIdx.x % WARP
         g = lane // 4  # the lane's row within an 8-row group
         t = lane % 4  # the lane's column pair
@@ -111,6 +111,7 @@ def mma_forward_kernel_function(config, spec):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
+        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
@@ -183,14 +184,15 @@ def mma_forward_kernel_function(config, spec):
                     for nb in range(NB):
                         for r in range(4):
                             s[sl, nb, r] = modified_score(
-                                s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2) + offset,
-                                n0 + 8 * nb + 2 * t + r % 2)
+                                s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
+                                n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k, mask_at)
                 # Mask: -inf where the row does not see the key (partial tiles only).
                 if partial:
                     for nb in range(NB):
                         for r in range(4):
                             col = n0 + 8 * nb + 2 * t + r % 2
-                            if not visible(row_lo + 8 * (r // 2), col, seqlen_k, offset):
+                            if not visible(row_lo + 8 * (r // 2), col, seqlen_k, offset,
+                                           mask_at):
                                 s[sl, nb, r] = NEG_INF
 
                 # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken

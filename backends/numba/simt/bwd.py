@@ -79,7 +79,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
-                        alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+                        alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
@@ -135,6 +135,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)  # (this tile's: loaded already)
             slope = head_slope(alibi_slopes, seq, h_first + head)
+            mask_at = (attn_mask, b, h_first + head)  # (device/attn_mask.py)
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
             # Load: the next query tile (of this head or the next) into the other stage (two
@@ -166,10 +167,10 @@ def _dk_dv_kernel_function(config, spec, async_copy):
                 for j in range(TQ):
                     query = tx + LANE_COLS * j
                     # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query + offset,
-                                                   n0 + key)
+                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query, n0 + key,
+                                                   offset, seqlen_k, mask_at)
                     p = probability(score, tile_scale, lse_tiles[stage, query])
-                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
+                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at):
                         p = ZERO
                     p_tile[key, query] = p
                     ds_tile[key, query] = grad_score(p, dp[i, j],
@@ -226,7 +227,7 @@ def _dq_kernel_function(config, spec, async_copy):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                     cu_seqlens_q, cu_seqlens_k):
+                     cu_seqlens_q, cu_seqlens_k, attn_mask):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
@@ -241,6 +242,7 @@ def _dq_kernel_function(config, spec, async_copy):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
+        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -291,10 +293,10 @@ def _dq_kernel_function(config, spec, async_copy):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
                     key = tx + LANE_COLS * j
-                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query + offset,
-                                                   n0 + key)
+                    score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query, n0 + key,
+                                                   offset, seqlen_k, mask_at)
                     p = probability(score, tile_scale, lse_i[i])
-                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset):
+                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at):
                         p = ZERO
                     ds_tile[query, key] = grad_score(p, dp[i, j], delta_i[i]) * dscore
             syncwarp()  # why: the warp's dS rows complete before its lanes read them

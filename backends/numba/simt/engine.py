@@ -51,7 +51,7 @@ class SimtEngine(Engine):
         lse_view = marshal.view(lse)
         launch_forward(spec, *inputs, marshal.view(out, spec.bf16), lse_view, stream,
                        async_copy=async_copy, shared_limit=shared_limit,
-                       extras=marshal.kernel_extras(spec, extras, inputs[0], lse_view))
+                       extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
 
     def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         async_copy, shared_limit = self._loads(spec, q)
@@ -60,4 +60,4 @@ class SimtEngine(Engine):
                  + [marshal.view(g, spec.bf16) for g in grads])
         launch_backward(spec, dout, q, k, v, *views, stream, async_copy=async_copy,
                         shared_limit=shared_limit,
-                        extras=marshal.kernel_extras(spec, extras, q, views[1]))
+                        extras=marshal.kernel_extras(spec, extras, q, k, views[1]))

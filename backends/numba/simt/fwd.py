@@ -78,7 +78,8 @@ def forward_kernel_function(config, spec, async_copy=False):
     S_SHAPE = (TM, TN)
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
-    def flash_forward(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+    def flash_forward(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                      attn_mask):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
@@ -93,6 +94,7 @@ def forward_kernel_function(config, spec, async_copy=False):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
+        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -131,14 +133,14 @@ def forward_kernel_function(config, spec, async_copy=False):
             if SCORE_MOD:
                 for i in range(TM):
                     for j in range(TN):
-                        s[i, j] = modified_score(s[i, j], pre, slope,
-                                                 m0 + ty + LANE_ROWS * i + offset,
-                                                 n0 + tx + LANE_COLS * j)
+                        s[i, j] = modified_score(s[i, j], pre, slope, m0 + ty + LANE_ROWS * i,
+                                                 n0 + tx + LANE_COLS * j, offset, seqlen_k,
+                                                 mask_at)
             if is_partial(m0, n0, seqlen_q, seqlen_k):
                 for i in range(TM):
                     for j in range(TN):
                         if not visible(m0 + ty + LANE_ROWS * i, n0 + tx + LANE_COLS * j,
-                                       seqlen_k, offset):
+                                       seqlen_k, offset, mask_at):
                             s[i, j] = NEG_INF
 
             # Rescale: m_new = max(m_old, row max over the row's 8 lanes · scale), alpha =
