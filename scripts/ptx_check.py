@@ -96,7 +96,7 @@ def _specs(head_dim, dtype, variants):
     if variants:
         yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
                f", float32[:, :], int32[::1], int32[::1], {f3}")
-        mask = "float32" if dtype == "float32" else "uint16"  # (16-bit masks: their bits)
+        mask = "uint16" if dtype == "bfloat16" else dtype  # (bfloat16 masks: their bits)
         yield ("masked", AttentionSpec(head_dim=head_dim, dtype=dtype, attn_mask=dtype,
                                        **MASKED),
                f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :]")

@@ -3,7 +3,8 @@
     python scripts/reliability.py sanitize   # every kernel at odd sizes (run it under
                                              #   compute-sanitizer --tool memcheck / racecheck)
     python scripts/reliability.py sanitize-variants  # the same for GQA, window, softcap, ALiBi,
-                                                     #   varlen
+                                                     #   varlen, attention masks
+    python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -64,11 +65,11 @@ def sanitize(numba_flash, cp, torch):
     return True
 
 
-def sanitize_variants(numba_flash, cp, torch):
+def sanitize_variants(numba_flash, cp, torch, masks_only=False):
     """The variants' kernels at odd sizes, every engine: GQA with a window, softcap and ALiBi
     at once, varlen (sequences without queries or keys among them), and attention masks (a
     boolean key padding mask, a float mask per head broadcast over the batch), each call twice
-    (the second a replay)."""
+    (the second a replay); with masks_only, the masked calls alone."""
     rng = np.random.default_rng(1)
     lengths = [(37, 20), (0, 9), (70, 81), (5, 0)]
     cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
@@ -101,6 +102,8 @@ def sanitize_variants(numba_flash, cp, torch):
                     out, lse = numba_flash.forward(q, k, v, backend=backend, **mask)
                     numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **mask)
                     calls += 2
+                if masks_only:
+                    continue
                 out, lse = numba_flash.forward(q, k, v, backend=backend, **options)
                 numba_flash.backward(dout, q, k, v, out, lse, backend=backend, **options)
                 out, lse = numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,
@@ -111,6 +114,11 @@ def sanitize_variants(numba_flash, cp, torch):
     cp.cuda.Device().synchronize()
     print(f"sanitize-variants: {calls} calls done")
     return True
+
+
+def sanitize_masks(numba_flash, cp, torch):
+    """sanitize-variants' masked calls alone."""
+    return sanitize_variants(numba_flash, cp, torch, masks_only=True)
 
 
 def device_memory_used(cp):
@@ -194,8 +202,8 @@ def jit(numba_flash, cp, torch):
     return True
 
 
-MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants, "repeat": repeat,
-         "long": long, "jit": jit}
+MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
+         "sanitize-masks": sanitize_masks, "repeat": repeat, "long": long, "jit": jit}
 
 
 def main(argv=None):

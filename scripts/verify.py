@@ -287,6 +287,9 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", type=int, metavar="I",
                         help="only these shapes of the grid (indices from 0, in the order the "
                              "grid lists them); the long forward runs unless --quick")
+    parser.add_argument("--variant-rows", nargs="+", type=int, metavar="I",
+                        help="only these rows of the variants' list (indices from 0), and no "
+                             "dense shape unless --shapes names some, no long forward")
     args = parser.parse_args(argv)
     reason = "asked for (--simulator)" if args.simulator else harness.gpu_ready()
     on_gpu = reason is None
@@ -303,6 +306,8 @@ def main(argv=None):
     have_torch = importlib.util.find_spec("torch") is not None
     if args.quick:
         shapes = shapes[:2]
+    if args.variant_rows and not args.shapes:
+        shapes = []
     if args.shapes:
         if not all(0 <= i < len(shapes) for i in args.shapes):
             parser.error(f"--shapes: indices must be in 0..{len(shapes) - 1}")
@@ -319,11 +324,15 @@ def main(argv=None):
                     continue
                 verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu)
     variants = (GPU_VARIANTS if on_gpu else SIM_VARIANTS)[:1 if args.quick else None]
+    if args.variant_rows:
+        if not all(0 <= i < len(variants) for i in args.variant_rows):
+            parser.error(f"--variant-rows: indices must be in 0..{len(variants) - 1}")
+        variants = [variants[i] for i in args.variant_rows]
     for shape, kv_heads, causal, options in variants:
         for dtype in ("float32", "float16", "bfloat16")[:3 if have_torch else 2]:
             verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads,
                         options)
-    if on_gpu and not args.quick:
+    if on_gpu and not args.quick and not args.variant_rows:
         for causal in (False, True):
             verify_long(table, numba_flash, xp, rng, causal)
     checked = sum(row[5] != "SKIP" for row in table.rows)

@@ -40,7 +40,7 @@ def kernel_extras(spec, extras, q_view, k_view, unused):
     arguments: views of the call's numba_flash.extras.Extras, and `unused` where the spec has
     none. The slopes are seen as (sequences, nheads): a (nheads,) array through a batch
     stride of 0; the mask as (batch, nheads, seqlen_q, seqlen_k) through strides of 0 where
-    it broadcasts, 16-bit floats as their bits (device/attn_mask.py). (The simulator, which
+    it broadcasts, bfloat16 as its bits (device/attn_mask.py). (The simulator, which
     takes whole buffers, gets copies.)"""
     unused = kernel_extras_unused(unused)[0]
     if not (spec.alibi or spec.varlen or spec.attn_mask):
@@ -54,8 +54,7 @@ def kernel_extras(spec, extras, q_view, k_view, unused):
     attn_mask = unused
     if spec.attn_mask:
         shape = (batch, int(q_view.shape[2]), int(q_view.shape[1]), int(k_view.shape[1]))
-        attn_mask = broadcast(view(extras.attn_mask, bits=spec.float_mask and
-                                   spec.attn_mask != "float32"), shape)
+        attn_mask = broadcast(view(extras.attn_mask, bits=spec.attn_mask == "bfloat16"), shape)
     return slopes, cu_q, cu_k, attn_mask
 
 

@@ -154,6 +154,15 @@ def test_pack_and_unpack(rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_float32_from_bits_is_the_bit_pattern(rng, mode):
+    x = np.concatenate([rng.standard_normal(28) * 1e3, [0.0, -0.0, np.inf, -np.inf]])
+    bits = x.astype(np.float32).view(np.uint32)
+    y = np.full(32, np.nan, np.float32)
+    cuda.jit(kernels.bitcast_kernel)[1, 32](bits, y)
+    assert np.array_equal(y.view(np.uint32), bits)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_exp2_flushes_like_ex2_approx_ftz(rng, mode):
     x = np.concatenate([rng.uniform(-30, 30, 28), [0.0, -np.inf, -130.0, -200.0]])
     x = x.astype(np.float32)
