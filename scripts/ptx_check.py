@@ -13,7 +13,8 @@ may have on the target, OPT_IN_SHARED_BYTES).
 
 --variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
 once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
-takes), named "variants", and with a floating attn_mask instead of varlen, named "masked".
+takes), named "variants", and with a floating attn_mask instead of varlen, named "masked"
+(MASKED).
 """
 import argparse
 import glob
@@ -85,7 +86,10 @@ def ptxas_report(ptxas, ptx, cc):
 
 VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True, varlen=True)
 #: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no mask)
-MASKED = dict(VARIANTS, varlen=False)
+#: and without the window's left side: with all of a float mask, softcap, ALiBi and a two-sided
+#: window at once the tensor-core forward's register arrays go to local memory (correct, but
+#: slower: docs/KERNEL_NOTES.md, "Masks")
+MASKED = dict(VARIANTS, varlen=False, window_left=-1)
 
 
 def _specs(head_dim, dtype, variants):
