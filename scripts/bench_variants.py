@@ -6,7 +6,9 @@ torch SDPA with enable_gqa=True (flash, cudnn, efficient: those that take it); a
 window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); varlen,
 --documents packed causal sequences of random lengths (seeded) making up one sequence of
 --seqlen tokens, beside dense causal attention on a batch of --documents sequences of the
-documents' mean length (the same tokens, no packing). TFLOP/s are counted over the visible
+documents' mean length (the same tokens, no packing); attention masks without causal (a
+boolean (B, 1, 1, N) key padding mask keeping every key, a float (N, N) bias in the dtype),
+beside torch SDPA with the same attn_mask (efficient, cudnn). TFLOP/s are counted over the visible
 (unmasked) pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips
 its masked tiles scores like dense attention; each row also gives its time against the
 causal MHA row and the share of causal MHA's visible pairs it has. Timing as
@@ -51,8 +53,8 @@ def alibi_slopes(heads):
 
 def rows(args):
     """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row),
-    "lengths" (varlen) and "shape" ((batch, seqlen) of a row not of the bench's) are the
-    bench's own."""
+    "lengths" (varlen), "mask" (with_mask) and "shape" ((batch, seqlen) of a row not of the
+    bench's) are the bench's own."""
     sdpa = ("flash", "cudnn", "efficient")
     mean_length = args.seqlen // args.documents
     return [("mha causal", args.heads, dict(causal=True), sdpa),
@@ -65,7 +67,9 @@ def rows(args):
             (f"varlen {args.documents} docs causal", args.heads,
              dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ()),
             (f"B{args.documents} N{mean_length} causal", args.heads,
-             dict(causal=True, shape=(args.documents, mean_length)), sdpa)]
+             dict(causal=True, shape=(args.documents, mean_length)), sdpa),
+            ("padding mask, full", args.heads, dict(mask="padding"), sdpa[1:]),
+            ("float bias, full", args.heads, dict(mask="bias"), sdpa[1:])]
 
 
 def row_pairs(seqlen, options):
@@ -93,9 +97,25 @@ def our_call(numba_flash, cp, options, heads):
                 dout[0], q[0], k[0], v[0], out, lse, *varlen, **options))
 
 
+def with_mask(cp, options, q):
+    """A row's options with its attn_mask made (for q's batch, length and dtype): "padding",
+    a boolean (B, 1, 1, N) mask keeping every key (what reading a mask costs); "bias", a float
+    (N, N) bias."""
+    options = dict(options)
+    kind = options.pop("mask", None)
+    batch, seqlen = q.shape[:2]
+    if kind == "padding":
+        options["attn_mask"] = cp.ones((batch, 1, 1, seqlen), cp.bool_)
+    elif kind == "bias":
+        bias = cp.random.default_rng(0).standard_normal((seqlen, seqlen), cp.float32)
+        options["attn_mask"] = (bias * 0.5).astype(q.dtype)
+    return options
+
+
 def runners(numba_flash, torch, inputs, options, passes, peers):
     """{name: fn(i)} for numba and the torch peers of a row."""
     import cupy as cp
+    options = with_mask(cp, options, inputs[0][0])
     forward, backward = our_call(numba_flash, cp, options, inputs[0][0].shape[2])
 
     def ours(i):
@@ -110,6 +130,8 @@ def runners(numba_flash, torch, inputs, options, passes, peers):
     kinds = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION}
     views = [[torch.from_dlpack(x).transpose(1, 2) for x in arrays] for arrays in inputs]
+    mask = options.get("attn_mask")
+    mask = None if mask is None else torch.from_dlpack(mask)
     gqa = views[0][0].shape[1] != views[0][1].shape[1]
     for kind in peers:
         if kind == "flex":
@@ -122,7 +144,8 @@ def runners(numba_flash, torch, inputs, options, passes, peers):
                 if passes == "fwdbwd":
                     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=options.get("causal", False), enable_gqa=gqa)
+                    q, k, v, attn_mask=mask, is_causal=options.get("causal", False),
+                    enable_gqa=gqa)
                 if passes == "fwdbwd":
                     out.backward(dout)
         found[f"sdpa-{kind}"] = peer
@@ -133,6 +156,11 @@ def flex_runner(torch, views, options, passes):
     """fn(i): torch FlexAttention (torch.compile'd) on the row's inputs i, with the row's
     masks and score mods (flex_peer.py)."""
     from flex_peer import flex_attention_call
+    if "attn_mask" in options:  # (a mask array is not a mask_mod: no FlexAttention peer;
+        #                          main reports the row's flex as skipped)
+        def unsupported(i):
+            raise NotImplementedError("FlexAttention takes no attn_mask array here")
+        return unsupported
     q = views[0][0]
     slopes = (torch.tensor(alibi_slopes(q.shape[1]), device=q.device)
               if options.get("alibi") else None)
