@@ -86,10 +86,7 @@ def ptxas_report(ptxas, ptx, cc):
 
 VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True, varlen=True)
 #: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no mask)
-#: and without the window's left side: with all of a float mask, softcap, ALiBi and a two-sided
-#: window at once the tensor-core forward's register arrays go to local memory (correct, but
-#: slower: docs/KERNEL_NOTES.md, "Masks")
-MASKED = dict(VARIANTS, varlen=False, window_left=-1)
+MASKED = dict(VARIANTS, varlen=False)
 
 
 def _specs(head_dim, dtype, variants):
@@ -168,14 +165,14 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
     dynamic shared memory, so ptxas does not see them: the config says how much)."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
-        config = mma_forward_config(head_dim)
-        if config is None:
+        if mma_forward_config(head_dim) is None:
             continue
         bwd = mma_backward_config(head_dim)
         dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for dtype in dtypes:
             for kind, spec, extras in _specs(head_dim, dtype, variants):
                 tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
+                config = mma_forward_config(head_dim, spec)
                 fn = mma_forward_kernel_function(config, spec)
                 yield (f"mma_forward_{tag}", fn,
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",

@@ -65,8 +65,8 @@ def test_every_kernel_compiled(reports):
 
 
 def test_the_variant_kernels_compiled(reports):
-    """GQA, a causal window, softcap, ALiBi and varlen at once (ptx_check.VARIANTS), and GQA,
-    causal, softcap, ALiBi and a floating attn_mask (ptx_check.MASKED), at head dim 128,
+    """GQA, a causal window, softcap, ALiBi and varlen at once (ptx_check.VARIANTS), and the
+    same with a floating attn_mask instead of varlen (ptx_check.MASKED), at head dim 128,
     where the dense kernels come nearest to 255 registers: the checks below hold for them
     too."""
     seen = {(r["kernel"], r["cc"]) for r in reports}

@@ -1,6 +1,6 @@
 """Tile configurations of the tensor-core kernels: one frozen dataclass per kernel, one table
 per kernel by head dim, and the head dim a call runs at (mma_head_dim)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config_table import lookup
 
@@ -42,9 +42,15 @@ def mma_forward_shared_bytes(config, head_dim):
     return 2 * (config.block_m + 2 * config.block_n) * (head_dim + ROW_PAD)
 
 
-def mma_forward_config(head_dim):
-    """The tensor-core forward's config for head_dim, or None if it has none."""
-    return None if head_dim % 16 else lookup(_MMA_FORWARD, head_dim)
+def mma_forward_config(head_dim, spec=None):
+    """The tensor-core forward's config for head_dim (and the call's spec), or None if it has
+    none. A spec with an attn_mask takes one 16-row slice per warp: reading the mask's
+    elements in the score loop took the two-slice kernels past 255 registers (spills at d64
+    and d128 once softcap or ALiBi came with it; docs/KERNEL_NOTES.md, "Masks")."""
+    config = None if head_dim % 16 else lookup(_MMA_FORWARD, head_dim)
+    if config is not None and spec is not None and spec.attn_mask is not None:
+        config = replace(config, slices=1)
+    return config
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,7 @@ def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=No
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
-    config = config or mma_forward_config(head_dim)
+    config = config or mma_forward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no tensor-core forward config for head_dim {head_dim} (the engine "
                          f"pads it: config.mma_head_dim)")
