@@ -9,16 +9,26 @@ import numba_flash.torch  # noqa: E402
 MODES = ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
-def _torch_reference(q, k, v, causal, scale):
-    """torch math attention in float64 with the bottom-right causal mask of numba_flash."""
+def _torch_reference(q, k, v, causal, scale, attn_mask=None):
+    """torch math attention in float64 with the bottom-right causal mask of numba_flash (or
+    the given attn_mask, an SDPA mask): (out, its float64 leaves q, k, v)."""
     qh, kh, vh = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    mask = None
     if causal:
         nq, nk = q.shape[1], k.shape[1]
-        mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq).to(q.device)
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+        attn_mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq).to(q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask,
                                                            scale=scale)
     return out.transpose(1, 2), (qh, kh, vh)
+
+
+def _assert_like_reference(out, grads, ref, leaves, weight):
+    """Our out and (q, k, v) grads of sum(out · weight) against the float64 reference's."""
+    (ref * weight.double()).sum().backward()
+    assert float((out.detach().double() - ref.detach()).abs().max()) < 1e-5
+    for name, got, leaf in zip("qkv", grads, leaves):
+        expected = leaf.grad.transpose(1, 2)
+        err = float((got.double() - expected).abs().max())
+        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -37,12 +47,7 @@ def test_gradients_match_torch_math_attention(rng, mode, causal):
     (out * weight).sum().backward()
 
     ref, leaves = _torch_reference(q, k, v, causal, 0.3)
-    (ref * weight.double()).sum().backward()
-    assert float((out.detach().double() - ref.detach()).abs().max()) < 1e-5
-    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), leaves):
-        expected = leaf.grad.transpose(1, 2)
-        err = float((got.double() - expected).abs().max())
-        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
+    _assert_like_reference(out, (q.grad, k.grad, v.grad), ref, leaves, weight)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,14 +68,8 @@ def test_alibi_gradients_match_torch_math_attention_with_the_bias(rng, mode):
                 - torch.arange(seqlen_k)[None, :]).to(device)
     bias = -slopes.double()[:, :, None, None] * distance.abs().double()
     bias = bias.masked_fill(distance < 0, float("-inf"))  # causal: no key in the future
-    qh, kh, vh = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-    (ref.transpose(1, 2) * weight.double()).sum().backward()
-    assert float((out.detach().double() - ref.transpose(1, 2).detach()).abs().max()) < 1e-5
-    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), (qh, kh, vh)):
-        expected = leaf.grad.transpose(1, 2)
-        err = float((got.double() - expected).abs().max())
-        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
+    ref, leaves = _torch_reference(q, k, v, False, None, attn_mask=bias)
+    _assert_like_reference(out, (q.grad, k.grad, v.grad), ref, leaves, weight)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,15 +95,9 @@ def test_attn_mask_gradients_match_torch_math_attention(rng, mode, kind):
     out = numba_flash.torch.attention(q, k, v, attn_mask=mask, backend="numba")
     (out * weight).sum().backward()
 
-    qh, kh, vh = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     ref_mask = mask.detach() if kind == "bool" else mask.detach().double()
-    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=ref_mask)
-    (ref.transpose(1, 2) * weight.double()).sum().backward()
-    assert float((out.detach().double() - ref.transpose(1, 2).detach()).abs().max()) < 1e-5
-    for name, got, leaf in zip("qkv", (q.grad, k.grad, v.grad), (qh, kh, vh)):
-        expected = leaf.grad.transpose(1, 2)
-        err = float((got.double() - expected).abs().max())
-        assert err < 1e-4 * max(1.0, float(expected.abs().max())), (name, err)
+    ref, leaves = _torch_reference(q, k, v, False, None, attn_mask=ref_mask)
+    _assert_like_reference(out, (q.grad, k.grad, v.grad), ref, leaves, weight)
     assert mask.grad is None
 
 

@@ -4,6 +4,7 @@ hand-written float64 softmax, and its backward the derivative; a varlen call is 
 on each sequence alone; the numba-simt kernels agree with the numpy backend on one case."""
 import numpy as np
 import pytest
+from central_differences import assert_is_the_derivative
 
 import numba_flash
 from numba_flash import registry
@@ -291,17 +292,7 @@ def test_alibi_backward_is_the_derivative(rng, seqlen_q, seqlen_k, causal, softc
     def loss(*arrays):
         return float((hand_attention(*arrays, HEAD_DIM ** -0.5, slopes, causal, softcap)[0]
                       * dout).sum())
-    eps = 1e-6
-    for which, grad in enumerate(grads):
-        for _ in range(5):
-            arrays = [q.copy(), k.copy(), v.copy()]
-            index = tuple(int(rng.integers(0, n)) for n in arrays[which].shape)
-            arrays[which][index] += eps
-            up = loss(*arrays)
-            arrays[which][index] -= 2 * eps
-            numeric = (up - loss(*arrays)) / (2 * eps)
-            # (backward recomputes P from the float32 lse: a few 1e-7 relative)
-            assert abs(grad[index] - numeric) < 1e-6 * max(1.0, abs(numeric)), (which, index)
+    assert_is_the_derivative(rng, grads, loss, (q, k, v))
     # and the bias reaches the gradients
     options.pop("alibi_slopes")
     plain = numba_flash.backward(dout, q, k, v, *numba_flash.forward(q, k, v, **options),

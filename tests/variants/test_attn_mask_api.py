@@ -5,6 +5,7 @@ derivative; the numba-simt kernels agree with the numpy backend; the kernels' vi
 broadcasts through strides of 0, copying nothing."""
 import numpy as np
 import pytest
+from central_differences import assert_is_the_derivative
 
 import numba_flash
 from numba_flash import registry
@@ -202,16 +203,7 @@ def test_the_backward_with_a_mask_is_the_derivative(rng, kind):
     def loss(*arrays):
         return float((hand_attention(*arrays, HEAD_DIM ** -0.5, causal=True, **hand)[0]
                       * dout).sum())
-    eps = 1e-6
-    for which, grad in enumerate(grads):
-        for _ in range(5):
-            arrays = [q.copy(), k.copy(), v.copy()]
-            index = tuple(int(rng.integers(0, n)) for n in arrays[which].shape)
-            arrays[which][index] += eps
-            up = loss(*arrays)
-            arrays[which][index] -= 2 * eps
-            numeric = (up - loss(*arrays)) / (2 * eps)
-            assert abs(grad[index] - numeric) < 1e-6 * max(1.0, abs(numeric)), (which, index)
+    assert_is_the_derivative(rng, grads, loss, (q, k, v))
 
 
 # ---- 3. the numba-simt kernels (simulator) and the kernels' view ---------------------------

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from central_differences import assert_is_the_derivative
 
 import numba_flash
 from numba_flash.reference import attention_backward, attention_forward
@@ -76,16 +77,7 @@ def test_reference_backward_is_the_derivative(rng, seqlen_q, seqlen_k, nheads, n
 
     def loss(*arrays):
         return float((attention_forward(np, *arrays, spec, np.float64)[0] * dout).sum())
-    eps = 1e-6
-    for which, grad in enumerate(grads):
-        for _ in range(6):
-            arrays = [q.copy(), k.copy(), v.copy()]
-            index = tuple(rng.integers(0, n) for n in arrays[which].shape)
-            arrays[which][index] += eps
-            up = loss(*arrays)
-            arrays[which][index] -= 2 * eps
-            numeric = (up - loss(*arrays)) / (2 * eps)
-            assert abs(grad[index] - numeric) < 1e-6 * max(1.0, abs(numeric)), (which, index)
+    assert_is_the_derivative(rng, grads, loss, (q, k, v), samples=6)
 
 
 def test_the_numpy_backend_serves_every_variant(rng):
