@@ -296,7 +296,7 @@ def main(argv=None):
     if not on_gpu:
         harness.use_simulator()
         print(f"No GPU run ({reason}): running the Numba kernels in Numba's CUDA simulator "
-              f"at small sizes (slow: about two minutes on two CPU cores).\n")
+              f"at small sizes (slow: over 15 minutes on two CPU cores; --quick: fewer).\n")
     import numba_flash
     xp = np
     if on_gpu:
