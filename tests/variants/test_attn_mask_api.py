@@ -114,6 +114,9 @@ MASK_SHAPES = [FULL, (SEQLEN_Q, SEQLEN_K), (SEQLEN_K,), (BATCH, 1, 1, SEQLEN_K),
 def _bool_mask(rng, shape):
     mask = rng.random(shape) < 0.6
     mask.reshape(-1)[0] = True  # (a mask of one element must let the row see something)
+    if mask.size > 1:
+        mask.reshape(-1)[-1] = False  # (and a larger one must hide something: seven keys
+        #                                drawn all True one time in twenty)
     return mask
 
 
