@@ -7,6 +7,7 @@ Importing this package imports neither Numba's CUDA target, CuPy nor torch; back
 loaded the first time they are used.
 """
 from numba_flash.api import attention, backward, backward_varlen, forward, forward_varlen
+from numba_flash.block_mask import BlockMask, block_mask
 from numba_flash.registry import (
     available_backends,
     get_backend,
@@ -23,6 +24,8 @@ __all__ = [
     "attention",
     "forward_varlen",
     "backward_varlen",
+    "block_mask",
+    "BlockMask",
     "list_backends",
     "available_backends",
     "get_backend",

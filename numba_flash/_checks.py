@@ -98,7 +98,10 @@ def check_extras(spec, q, k, v, extras):
     if spec.attn_mask is not None:
         check_attn_mask(extras.attn_mask, spec, (batch, int(q.shape[-2]), int(q.shape[-3]),
                                                  int(k.shape[-3])))
-    named = {"q": q, **{name: x for name, x in zip(extras._fields, extras) if x is not None}}
+    if extras.block_mask is not None:
+        extras.block_mask.check_call(spec.mask_mod, batch, int(q.shape[-2]), int(q.shape[-3]),
+                                     int(k.shape[-3]))
+    named = {"q": q, **{name: x for name, x in zip(extras._fields[:4], extras) if x is not None}}
     if len(named) > 1:
         check_same_place(named)
     return batch
@@ -152,6 +155,25 @@ def mask_dtype(attn_mask):
         raise TypeError(f"attn_mask must be boolean (True: the query sees the key) or floating "
                         f"(added to the scores); got {dtype}")
     return dtype
+
+
+def mask_mod_of(mask_mod, block_mask, varlen=False):
+    """The call's mask_mod: the one given, or block_mask's (they must be the same function).
+    varlen calls take no block mask (their tiles depend on cu_seqlens: classified per call)."""
+    if block_mask is None:
+        return mask_mod
+    from .block_mask import BlockMask
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask from numba_flash.block_mask(...) or "
+                        f"None; got {type(block_mask).__name__}")
+    if varlen:
+        raise ValueError("block_mask is for calls on (batch, seqlen, ...) arrays; a varlen call "
+                         "with mask_mod classifies its tiles itself (they depend on cu_seqlens)")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError(f"mask_mod and block_mask disagree: block_mask was built for "
+                         f"{block_mask.mask_mod.__name__!r}, mask_mod is "
+                         f"{getattr(mask_mod, '__name__', type(mask_mod).__name__)!r}")
+    return block_mask.mask_mod
 
 
 def check_attn_mask(attn_mask, spec, shape):

@@ -18,7 +18,7 @@ from numba_flash.spec import NO_WINDOW, make_spec
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-            alibi_slopes=None, attn_mask=None, backend="auto"):
+            alibi_slopes=None, attn_mask=None, mask_mod=None, block_mask=None, backend="auto"):
     """Exact attention softmax(q kᵀ · softmax_scale) v, and the row log-sum-exp.
 
     Args:
@@ -42,6 +42,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
             boolean (True: query i sees key j) or floating, of q's dtype or float32 (added to
             the scaled score, after softcap and ALiBi; -inf masks). It combines with causal and
             windows, is read tile by tile and never expanded; no gradient flows to it.
+        mask_mod: a Python function mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's):
+            query q_idx of batch entry b and head h sees key kv_idx only where it returns True
+            (besides causal, window and attn_mask). The Numba backend compiles it into its
+            kernels (it may read arrays it captures: device arrays by address, NumPy arrays
+            as constants of the kernel) and classifies the key tiles first, skipping those
+            no query sees; the other backends evaluate it on index arrays (or one index at a
+            time). Define it once and reuse it: a new function compiles new kernels.
+        block_mask: numba_flash.block_mask(mask_mod, ...), the tile classification kept for
+            reuse across calls (mask_mod may then be left out).
         backend: a registered name (see list_backends()) or "auto".
 
     Returns:
@@ -51,16 +60,18 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     attn_mask=_checks.mask_dtype(attn_mask))
-    return _forward(spec, _extras(alibi_slopes, attn_mask), backend, q, k, v)
+                     attn_mask=_checks.mask_dtype(attn_mask),
+                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask))
+    return _forward(spec, _extras(alibi_slopes, attn_mask, block_mask), backend, q, k, v)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-             softcap=0.0, alibi_slopes=None, attn_mask=None, backend="auto"):
+             softcap=0.0, alibi_slopes=None, attn_mask=None, mask_mod=None, block_mask=None,
+             backend="auto"):
     """Gradients (dq, dk, dv) of forward's output, given dout = dLoss/dout.
 
     `out` and `lse` are what forward returned for the same q, k, v and options (causal,
-    softmax_scale, window_size, softcap, alibi_slopes, attn_mask); the score tiles are
+    softmax_scale, window_size, softcap, alibi_slopes, attn_mask, mask_mod); the score tiles are
     recomputed from q, k and lse, nothing of size seqlen_q x seqlen_k is stored. dq, dk, dv
     have the shapes and dtype of q, k, v (with grouped-query attention dk and dv sum over each
     group's query heads, without atomics: deterministic). Rows that saw no key get zero
@@ -68,28 +79,30 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, windo
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     attn_mask=_checks.mask_dtype(attn_mask))
-    return _backward(spec, _extras(alibi_slopes, attn_mask), backend, dout, q, k, v, out, lse)
+                     attn_mask=_checks.mask_dtype(attn_mask),
+                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask))
+    return _backward(spec, _extras(alibi_slopes, attn_mask, block_mask), backend, dout, q, k, v,
+                     out, lse)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-              alibi_slopes=None, attn_mask=None, backend="auto"):
+              alibi_slopes=None, attn_mask=None, mask_mod=None, block_mask=None, backend="auto"):
     """forward() without the log-sum-exp: just the attention output."""
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-                   backend=backend)[0]
+                   mask_mod=mask_mod, block_mask=block_mask, backend=backend)[0]
 
 
-def _extras(alibi_slopes, attn_mask):
-    """A dense call's arrays besides q, k, v."""
-    if alibi_slopes is None and attn_mask is None:
+def _extras(alibi_slopes, attn_mask, block_mask):
+    """A dense call's arrays besides q, k, v (and its block mask)."""
+    if alibi_slopes is None and attn_mask is None and block_mask is None:
         return NO_EXTRAS
-    return Extras(alibi_slopes=alibi_slopes, attn_mask=attn_mask)
+    return Extras(alibi_slopes=alibi_slopes, attn_mask=attn_mask, block_mask=block_mask)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-                   alibi_slopes=None, backend="auto"):
+                   alibi_slopes=None, mask_mod=None, backend="auto"):
     """forward() on packed sequences of different lengths (flash-attn's varlen convention).
 
     q: (total_q, nheads, headdim), the batch's sequences one after another; k, v: (total_k,
@@ -98,14 +111,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     keys likewise. max_seqlen_q, max_seqlen_k: ints at least the longest sequence's length.
     Each sequence attends within itself, with the options' meaning for its own seqlen_q and
     seqlen_k (causal and windows aligned to its bottom-right corner); alibi_slopes (nheads,)
-    or (batch, nheads). No work is done for tokens of other sequences or for padding.
+    or (batch, nheads); mask_mod(b, h, q_idx, kv_idx) with b the sequence and q_idx, kv_idx
+    within it. No work is done for tokens of other sequences or for padding.
 
     Returns (out, lse): out like q; lse float32 (nheads, total_q). The cu_seqlens are checked
     on every call (their values are read: one small copy from the GPU).
     """
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     max_seqlens=(max_seqlen_q, max_seqlen_k))
+                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=mask_mod)
     extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_extras(spec, q, k, v, extras)
@@ -114,12 +128,12 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-                    softcap=0.0, alibi_slopes=None, backend="auto"):
+                    softcap=0.0, alibi_slopes=None, mask_mod=None, backend="auto"):
     """Gradients (dq, dk, dv) of forward_varlen's output, given dout (q's shape); out and
     lse (nheads, total_q) are what forward_varlen returned for the same arguments."""
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     max_seqlens=(max_seqlen_q, max_seqlen_k))
+                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=mask_mod)
     extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     _checks.check_backward_args(dout, q, k, v, out, lse, varlen=True)
     _checks.check_extras(spec, q, k, v, extras)

@@ -46,8 +46,8 @@ def _array_signature(x):
 
 def signature(operation, backend, spec, arrays):
     """The call's signature, or None for a call that is not cached."""
-    if not ENABLED or type(backend) is not str:
-        return None
+    if not ENABLED or type(backend) is not str or spec.mask_mod is not None:
+        return None  # (a mask_mod's call classifies its tiles first: not one recorded launch)
     arrays = tuple(map(_array_signature, arrays))
     if None in arrays:
         return None

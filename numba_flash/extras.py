@@ -1,5 +1,6 @@
 """The arrays of a call besides q, k, v (and dout, out, lse): ALiBi's slopes, varlen's
-cumulative sequence lengths and the attention mask (their checks are numba_flash._checks').
+cumulative sequence lengths and the attention mask (their checks are numba_flash._checks'),
+and a mask_mod's block mask.
 
 The spec says whether a call has them (spec.alibi, spec.varlen, spec.attn_mask); their values
 travel beside the spec as one `Extras`, which every backend's forward and backward take. Their
@@ -17,22 +18,24 @@ class Extras(NamedTuple):
     """alibi_slopes: float32 (nheads,) or (batch, nheads), or None. cu_seqlens_q,
     cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None.
     attn_mask: boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or
-    None."""
+    None. block_mask: the numba_flash.block_mask.BlockMask of a call with mask_mod, or None
+    (not an array: calls with a mask_mod are not replayed)."""
     alibi_slopes: object = None
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
     attn_mask: object = None
+    block_mask: object = None
 
     def arrays(self):
         """The arrays present, in field order (what a call's signature and replay take)."""
         if self is NO_EXTRAS:  # (every plain call: nothing to look at)
             return ()
-        return tuple(x for x in self if x is not None)
+        return tuple(x for x in self[:4] if x is not None)
 
     def with_arrays(self, arrays):
         """The same fields filled from `arrays` (as arrays() returned them) in order."""
         values = iter(arrays)
-        return Extras(*(None if x is None else next(values) for x in self))
+        return Extras(*(None if x is None else next(values) for x in self[:4]), self.block_mask)
 
 
 NO_EXTRAS = Extras()

@@ -96,9 +96,51 @@ def biased_and_masked(xp, s, spec, extras, dtype):
     if spec.bool_mask:
         given = _mask_4d(xp, extras.attn_mask)
         mask = given if mask is None else mask & given
+    if spec.mask_mod is not None:
+        given = mask_mod_grid(xp, spec.mask_mod, *s.shape)
+        mask = given if mask is None else mask & given
     if mask is None:
         return s
     return xp.where(mask, s, xp.asarray(-xp.inf, dtype))
+
+
+def mask_mod_grid(xp, mask_mod, batch, nheads, seqlen_q, seqlen_k):
+    """mask_mod(b, h, q_idx, kv_idx) at every index, booleans broadcastable to (batch,
+    nheads, seqlen_q, seqlen_k): called once on broadcasting index arrays (what a mask made
+    of comparisons, & and | and indexing does), else once per index with Python ints."""
+    shape = (batch, nheads, seqlen_q, seqlen_k)
+    indices = [xp.arange(n).reshape([n if i == axis else 1 for i in range(4)])
+               for axis, n in enumerate(shape)]
+    try:
+        grid = xp.asarray(mask_mod(*indices))
+        if grid.dtype == bool and len(grid.shape) <= 4:
+            return xp.broadcast_to(grid, shape)
+    except Exception:  # (e.g. `if` or `and` on an array: one index at a time below)
+        pass
+    import numpy as np
+    try:
+        values = [bool(_boolean(mask_mod(*index))) for index in np.ndindex(*shape)]
+    except TypeError:
+        raise
+    except Exception as error:
+        raise ValueError(f"mask_mod failed: {type(error).__name__}: {error}") from error
+    return xp.asarray(np.array(values, bool).reshape(shape))
+
+
+def _boolean(value):
+    """mask_mod's value at one index, which must be a boolean."""
+    dtype = getattr(value, "dtype", None)
+    if not isinstance(value, bool) and (dtype is None or dtype != bool):
+        raise TypeError(f"mask_mod must return a bool; it returned {type(value).__name__}"
+                        f"{'' if dtype is None else ' of dtype ' + str(dtype)}")
+    return value
+
+
+def at_sequence(mask_mod, b):
+    """mask_mod of varlen's sequence b, as a dense call on that sequence alone sees it."""
+    def sequence_mask_mod(_, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx)
+    return sequence_mask_mod
 
 
 def _mask_4d(xp, attn_mask):
@@ -174,6 +216,8 @@ def per_sequence(xp, function, spec, extras, dtype, arrays, sides, result_sides)
             part_extras = extras._replace(alibi_slopes=slopes[b] if slopes.ndim == 2 else slopes)
         else:
             part_extras = extras
+        if spec.mask_mod is not None:
+            one = dataclasses.replace(one, mask_mod=at_sequence(spec.mask_mod, b))
         if results is None:
             results = [_packed_like(xp, arrays, sides, side, dtype) for side in result_sides]
         if ranges[0][0] == ranges[0][1]:

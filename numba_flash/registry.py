@@ -84,11 +84,13 @@ class Selection(namedtuple("Selection", "name skipped")):
         return "\n".join(lines)
 
 
-def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, attn_mask=None, **options):
+def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, attn_mask=None, mask_mod=None,
+                   block_mask=None, **options):
     """Which backend runs this call (forward's options: causal, softmax_scale, window_size,
-    softcap, alibi_slopes, attn_mask), and why each backend tried before it was skipped."""
+    softcap, alibi_slopes, attn_mask, mask_mod, block_mask), and why each backend tried before
+    it was skipped."""
     spec = make_spec(q, k, alibi=alibi_slopes is not None, attn_mask=_checks.mask_dtype(attn_mask),
-                     **options)
+                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask), **options)
     return _select(backend, spec, q, k, v)
 
 

@@ -12,6 +12,7 @@ A variant is added here first: a field (with its default: the plain attention), 
 """
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 
@@ -46,6 +47,10 @@ class AttentionSpec:
     attn_mask: the dtype name of the call's attention mask (numba_flash.extras), None
         without one: "bool" (True: the query sees the key) or a float dtype (added to the
         softcapped scaled score, after ALiBi), SDPA's meaning; read tile by tile.
+    mask_mod: None, or a Python function mask_mod(b, h, q_idx, kv_idx) -> bool
+        (FlexAttention's signature): query q_idx of batch entry b (varlen: sequence b, indices
+        within it) and query head h sees key kv_idx only where it returns True. It is
+        compiled into the kernels, so the spec holds the function itself (hashed by identity).
     """
 
     head_dim: int
@@ -61,13 +66,15 @@ class AttentionSpec:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     attn_mask: str | None = None
+    mask_mod: object = None
 
     def __post_init__(self):
         if self.causal or self.window_right == 0:  # one spec for one meaning
             object.__setattr__(self, "causal", True)
             object.__setattr__(self, "window_right", 0)
         # the spec is hashed on every call (the call cache's signature): once is enough
-        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+        object.__setattr__(self, "_hash", hash(tuple(
+            getattr(self, field.name) for field in dataclasses.fields(self))))
 
     def __hash__(self):
         return self._hash
@@ -166,6 +173,22 @@ def resolve_softmax_scale(softmax_scale, head_dim):
     return scale
 
 
+def check_mask_mod(mask_mod):
+    """None, or a function that takes (b, h, q_idx, kv_idx)."""
+    if mask_mod is None:
+        return None
+    message = ("mask_mod must be a Python function mask_mod(b, h, q_idx, kv_idx) -> bool (or "
+               "None)")
+    if not inspect.isfunction(mask_mod):  # (what Numba compiles: no partials, no methods)
+        raise TypeError(f"{message}; got {type(mask_mod).__name__}")
+    try:
+        inspect.signature(mask_mod).bind(0, 0, 0, 0)
+    except TypeError:
+        raise TypeError(f"{message}; got {getattr(mask_mod, '__name__', mask_mod)!r}, which "
+                        f"does not take four positional arguments") from None
+    return mask_mod
+
+
 def check_max_seqlen(name, value):
     """varlen's max_seqlen_q / max_seqlen_k: an int >= 1."""
     message = f"{name} must be an int >= 1 (the longest sequence's length, or more); got {value!r}"
@@ -177,11 +200,11 @@ def check_max_seqlen(name, value):
 
 
 def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size, softcap,
-           alibi, max_seqlens, attn_mask):
+           alibi, max_seqlens, attn_mask, mask_mod):
     """dtype: a name, or an array's dtype object (numpy or torch); nheads, nheads_kv: of q
     and k, None where unknown (then no GQA: the array checks will say what is wrong);
     max_seqlens: varlen's (max_seqlen_q, max_seqlen_k), or None; attn_mask: the mask's dtype
-    name, or None."""
+    name, or None; mask_mod: a function or None."""
     dtype = dtype if isinstance(dtype, str) else _arrays._dtype_name(dtype)
     group = 1 if nheads is None or nheads_kv is None else check_group(nheads, nheads_kv)
     check_causal(causal)
@@ -196,7 +219,8 @@ def _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_siz
                          window_left=left, window_right=right, softcap=check_softcap(softcap),
                          group=group, alibi=bool(alibi), varlen=varlen,
                          max_seqlen_q=max_seqlens[0] if varlen else None,
-                         max_seqlen_k=max_seqlens[1] if varlen else None, attn_mask=attn_mask)
+                         max_seqlen_k=max_seqlens[1] if varlen else None, attn_mask=attn_mask,
+                         mask_mod=mask_mod)
 
 
 _SCALAR_TYPES = (float, int, type(None))
@@ -214,11 +238,11 @@ def _plain_pair(window_size):
 
 
 def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
-              softcap=0.0, alibi=False, max_seqlens=None, attn_mask=None):
+              softcap=0.0, alibi=False, max_seqlens=None, attn_mask=None, mask_mod=None):
     """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
     GQA) with these options (alibi: whether ALiBi slopes come with the call; max_seqlens:
     varlen's (max_seqlen_q, max_seqlen_k), q and k then (total, nheads, headdim); attn_mask:
-    the dtype name of the call's mask, _checks.mask_dtype's); TypeError
+    the dtype name of the call's mask, _checks.mask_dtype's; mask_mod: the function); TypeError
     or ValueError naming the option that is wrong. The arrays' own checks (rank, dtype,
     shapes) are numba_flash._checks'; a q without a head dim gets its error there."""
     rank = 3 if max_seqlens is not None else 4  # (the API's arrays: head dim and heads)
@@ -230,11 +254,12 @@ def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WIN
     k_shape = None if k is None else getattr(k, "shape", None)
     nheads_kv = k_shape[-2] if k_shape is not None and len(k_shape) == rank else None
     dtype = getattr(q, "dtype", "")
+    mask_mod = check_mask_mod(mask_mod)  # (before the cache, which hashes it)
     if (type(causal) is bool and type(softmax_scale) in _SCALAR_TYPES
             and type(softcap) in _SCALAR_TYPES
             and (window_size is NO_WINDOW or _plain_pair(window_size))
             and (max_seqlens is None or _plain_pair(max_seqlens))):
         return _cached_build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale,
-                             window_size, softcap, alibi, max_seqlens, attn_mask)
+                             window_size, softcap, alibi, max_seqlens, attn_mask, mask_mod)
     return _build(head_dim, dtype, nheads, nheads_kv, causal, softmax_scale, window_size,
-                  softcap, alibi, max_seqlens, attn_mask)
+                  softcap, alibi, max_seqlens, attn_mask, mask_mod)

@@ -34,14 +34,15 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-              alibi_slopes=None, attn_mask=None, backend="auto"):
+              alibi_slopes=None, attn_mask=None, mask_mod=None, block_mask=None, backend="auto"):
     """Differentiable exact attention of torch tensors; see numba_flash.forward for the
     arguments (k and v may have fewer heads than q: GQA; alibi_slopes, a float32 tensor, and
     attn_mask, boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
-    get no gradient). Returns the output only (the log-sum-exp is kept for the backward)."""
+    get no gradient; mask_mod and block_mask as forward's). Returns the output only (the
+    log-sum-exp is kept for the backward)."""
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-                   backend=backend)
+                   mask_mod=mask_mod, block_mask=block_mask, backend=backend)
     return FlashAttentionFunction.apply(q, k, v, options)
 
 
@@ -64,11 +65,11 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
-                     alibi_slopes=None, backend="auto"):
+                     alibi_slopes=None, mask_mod=None, backend="auto"):
     """Differentiable attention of packed sequences (torch tensors; see
     numba_flash.forward_varlen): q (total_q, H, D), k, v (total_k, H_kv, D), int32
     cu_seqlens (B + 1,). Returns the output only."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+                   softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, backend=backend)
     return FlashAttentionVarlenFunction.apply(q, k, v, varlen, options)

@@ -8,7 +8,10 @@ window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); 
 --seqlen tokens, beside dense causal attention on a batch of --documents sequences of the
 documents' mean length (the same tokens, no packing); attention masks without causal (a
 boolean (B, 1, 1, N) key padding mask keeping every key, a float (N, N) bias in the dtype),
-beside torch SDPA with the same attn_mask (efficient, cudnn). TFLOP/s are counted over the visible
+beside torch SDPA with the same attn_mask (efficient, cudnn); mask_mods through a block mask:
+the documents of the varlen row as a causal document mask over one sequence, the window as
+a mask_mod beside causal, and the document mask with softcap (--flex: FlexAttention with the
+same masks). TFLOP/s are counted over the visible
 (unmasked) pairs only (forward 4·D FLOPs a pair, backward 2.5× that), so a row that skips
 its masked tiles scores like dense attention; each row also gives its time against the
 causal MHA row and the share of causal MHA's visible pairs it has. Timing as
@@ -53,8 +56,9 @@ def alibi_slopes(heads):
 
 def rows(args):
     """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row),
-    "lengths" (varlen), "mask" (with_mask) and "shape" ((batch, seqlen) of a row not of the
-    bench's) are the bench's own."""
+    "lengths" (varlen), "mask" (with_mask), "as_mask_mod" (the row's window or documents
+    written as a mask_mod for numba_flash, with a block mask: with_mask_mod) and "shape"
+    ((batch, seqlen) of a row not of the bench's) are the bench's own."""
     sdpa = ("flash", "cudnn", "efficient")
     mean_length = args.seqlen // args.documents
     return [("mha causal", args.heads, dict(causal=True), sdpa),
@@ -69,7 +73,15 @@ def rows(args):
             (f"B{args.documents} N{mean_length} causal", args.heads,
              dict(causal=True, shape=(args.documents, mean_length)), sdpa),
             ("padding mask, full", args.heads, dict(mask="padding"), sdpa[1:]),
-            ("float bias, full", args.heads, dict(mask="bias"), sdpa[1:])]
+            ("float bias, full", args.heads, dict(mask="bias"), sdpa[1:]),
+            (f"mask_mod {args.documents} docs causal", args.heads,
+             dict(causal=True, lengths=document_lengths(args.seqlen, args.documents),
+                  as_mask_mod=True), ()),
+            (f"mask_mod window {args.window}", args.heads,
+             dict(causal=True, window_size=(args.window, 0), as_mask_mod=True), ()),
+            (f"mask_mod docs softcap {args.softcap:g}", args.heads,
+             dict(causal=True, lengths=document_lengths(args.seqlen, args.documents),
+                  softcap=args.softcap, as_mask_mod=True), ())]
 
 
 def row_pairs(seqlen, options):
@@ -97,6 +109,26 @@ def our_call(numba_flash, cp, options, heads):
                 dout[0], q[0], k[0], v[0], out, lse, *varlen, **options))
 
 
+def with_mask_mod(numba_flash, cp, options, seqlen):
+    """A row's options for numba_flash with its window or documents as a mask_mod (over a
+    device array of document ids), passed as a block mask (built by the first call)."""
+    options = dict(options)
+    if not options.pop("as_mask_mod", False):
+        return options
+    lengths = options.pop("lengths", None)
+    left, _ = options.pop("window_size", (-1, -1))
+    if lengths is not None:
+        ids = cp.asarray(np.repeat(np.arange(len(lengths)), lengths), cp.int32)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return ids[q_idx] == ids[kv_idx]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx >= q_idx - left
+    options["block_mask"] = numba_flash.block_mask(mask_mod, None, None, seqlen, seqlen)
+    return options
+
+
 def with_mask(cp, options, q):
     """A row's options with its attn_mask made (for q's batch, length and dtype): "padding",
     a boolean (B, 1, 1, N) mask keeping every key (what reading a mask costs); "bias", a float
@@ -116,7 +148,10 @@ def runners(numba_flash, torch, inputs, options, passes, peers):
     """{name: fn(i)} for numba and the torch peers of a row."""
     import cupy as cp
     options = with_mask(cp, options, inputs[0][0])
-    forward, backward = our_call(numba_flash, cp, options, inputs[0][0].shape[2])
+    forward, backward = our_call(numba_flash, cp,
+                                 with_mask_mod(numba_flash, cp, options, inputs[0][0].shape[1]),
+                                 inputs[0][0].shape[2])
+    options.pop("as_mask_mod", None)
 
     def ours(i):
         q, k, v, dout = inputs[i]

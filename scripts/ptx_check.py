@@ -13,8 +13,9 @@ may have on the target, OPT_IN_SHARED_BYTES).
 
 --variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
 once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
-takes), named "variants", and with a floating attn_mask instead of varlen, named "masked"
-(MASKED).
+takes), named "variants"; with a floating attn_mask instead of varlen, named "masked"
+(MASKED); and of a document mask_mod with causal, softcap and GQA, named "mask_mod"
+(MASK_MODDED).
 """
 import argparse
 import glob
@@ -25,6 +26,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simulator
 
@@ -84,25 +87,39 @@ def ptxas_report(ptxas, ptx, cc):
             "shared_bytes": number(r"(\d+) bytes smem")}
 
 
+_DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), 512)  # (a NumPy array: kernel constants)
+
+
+def document_mask(b, h, q_idx, kv_idx):
+    """A mask_mod as a user writes one: queries see the keys of their own document."""
+    return _DOCUMENTS[q_idx] == _DOCUMENTS[kv_idx]
+
+
 VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True, varlen=True)
-#: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no mask)
+#: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no
+#: attn_mask)
 MASKED = dict(VARIANTS, varlen=False)
+#: a document mask_mod with causal, softcap and GQA (Gemma 2's variants; with every variant
+#: at once the dK/dV kernels spill: docs/KERNEL_NOTES.md, "mask_mod")
+MASK_MODDED = dict(causal=True, softcap=30.0, group=4, mask_mod=document_mask)
 
 
 def _specs(head_dim, dtype, variants):
-    """(tag word, spec, the signature of the kernels' last four arguments): full and
-    causal, or with variants all of them at once ("variants"), and all but varlen with a
-    floating mask of q's dtype ("masked")."""
+    """(tag word, spec, the signature of the kernels' last six arguments): full and
+    causal, or with variants all of them at once ("variants"), all but varlen with a
+    floating mask of q's dtype ("masked") and a mask_mod's spec ("mask_mod")."""
     f3 = "float32[:, :, :]"
     if variants:
         yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
-               f", float32[:, :], int32[::1], int32[::1], {f3}")
+               f", float32[:, :], int32[::1], int32[::1], {f3}, {f3}, {f3}")
         mask = "uint16" if dtype == "bfloat16" else dtype  # (bfloat16 masks: their bits)
         yield ("masked", AttentionSpec(head_dim=head_dim, dtype=dtype, attn_mask=dtype,
                                        **MASKED),
-               f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :]")
+               f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :], {f3}, {f3}")
+        yield ("mask_mod", AttentionSpec(head_dim=head_dim, dtype=dtype, **MASK_MODDED),
+               f"{f', {f3}' * 4}, int8[:, :, :, :], int32[:, :, :, :]")
         return
-    unused = f", {f3}" * 4  # (the lse array: launch.kernel_extras_unused)
+    unused = f", {f3}" * 6  # (the lse array: launch.kernel_extras_unused, tile_arguments)
     yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype), unused
     yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True), unused
 
@@ -193,7 +210,7 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                     c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
                     yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
                            f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32"
-                           f"{', float32[:, :, ::1]' * 4})", dk_dv_bytes)
+                           f"{', float32[:, :, ::1]' * 6})", dk_dv_bytes)
 
 
 def main(argv=None):

@@ -51,6 +51,7 @@ GPU_VARIANTS = [
     ((1, 1100, 900, 4, 64), 4, False, dict(alibi=True, softcap=20.0, window_size=(300, 50))),
     ((2, 1000, 1200, 4, 128), 2, False, dict(mask="padding")),
     ((2, 900, 900, 4, 64), 4, True, dict(mask="float", softcap=20.0)),
+    ((2, 1100, 1000, 4, 128), 2, True, dict(mask_mod="document")),
 ]
 SIM_VARIANTS = [
     ((1, 30, 37, 4, 32), 2, True, dict(softcap=2.0)),
@@ -58,6 +59,7 @@ SIM_VARIANTS = [
     ((2, 21, 26, 2, 16), 1, True, dict(alibi=True)),
     ((2, 19, 23, 2, 16), 1, False, dict(mask="padding")),
     ((1, 22, 22, 2, 16), 2, True, dict(mask="float")),
+    ((1, 33, 40, 2, 16), 1, True, dict(mask_mod="document")),
 ]
 LONG = (1, 65536, 65536, 8, 64)  # forward only: the cupy backend would need O(N^2) memory
 
@@ -123,7 +125,22 @@ def _variant_name(nheads, kv_heads, options):
         words.append("alibi")
     if options.get("mask"):
         words.append(f"mask:{options['mask']}")
+    if options.get("mask_mod"):
+        words.append(f"mask_mod:{options['mask_mod']}")
     return " ".join(words)
+
+
+def _mask_mod(xp, rng, kind, length):
+    """A case's mask_mod: "document", queries see their own document's keys (documents of
+    random lengths, their ids an array of the case's library that the function captures)."""
+    if kind is None:
+        return None
+    lengths = rng.integers(max(1, length // 12), max(2, length // 4), length)
+    ids = xp.asarray(np.repeat(np.arange(length), lengths)[:length].astype(np.int32))
+
+    def document(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    return document
 
 
 def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads=None,
@@ -131,7 +148,8 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     """One case: shape (batch, seqlen_q, seqlen_k, nheads, headdim); kv_heads (GQA) and
     options (window_size, softcap, alibi: random (batch, nheads) slopes; mask: "padding", a
     boolean (batch, 1, 1, seqlen_k) key padding mask, or "float", a (nheads, seqlen_q,
-    seqlen_k) mask of the dtype with some -inf) for the variants."""
+    seqlen_k) mask of the dtype with some -inf; mask_mod: "document", _mask_mod's) for the
+    variants."""
     from numba_flash.extras import NO_EXTRAS, Extras
     from numba_flash.reference import attention_backward, attention_forward
     from numba_flash.spec import make_spec
@@ -144,6 +162,8 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     slopes = xp.asarray(rng.uniform(0.02, 0.5, (batch, nheads)).astype(np.float32))
     bf16 = dtype == "bfloat16"
     mask = _mask(xp, rng, mask_kind, shape, dtype)
+    if "mask_mod" in options:
+        options["mask_mod"] = _mask_mod(xp, rng, options["mask_mod"], max(seqlen_q, seqlen_k))
     extras = (Extras(slopes if alibi else None, attn_mask=mask) if alibi or mask is not None
               else NO_EXTRAS)
     mask_dtype = None if mask is None else "bool" if mask_kind == "padding" else dtype

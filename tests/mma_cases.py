@@ -1,7 +1,7 @@
 """The tensor-core kernels' test cases, shared by tests/kernels/mma and tests/variants: 16-bit
 inputs as bit patterns, one launch into poisoned outputs, every result checked against float64.
 `options` are AttentionSpec fields (window_left, window_right, softcap, alibi, attn_mask: a
-random mask of that dtype); kv_heads (GQA)
+random mask of that dtype, mask_mod: a function, whose tile tables the case builds); kv_heads (GQA)
 gives k and v fewer heads than q; `lengths` [(seqlen_q, seqlen_k) per sequence] makes the case
 varlen: the kernels see the sequences packed along a batch axis of one (their view of
 forward_varlen's arrays), the references the packed arrays themselves."""
@@ -102,6 +102,12 @@ class Layout:
             extras = extras._replace(attn_mask=self.mask_bits)
         return kernel_extras(spec, extras, q, k, unused)
 
+    def tiles(self, spec, q, k, unused):
+        """The kernels' tile tables of a spec with a mask_mod (tile_classes.TileTables)."""
+        from numba_flash.backends.numba.tile_classes import call_tiles
+        return call_tiles(spec, self.extras, self.kernel_extras(spec, q, k, unused), q, k,
+                          lambda shape, dtype: np.empty(shape, dtype), 0)
+
 
 def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
     """launch_mma_forward on random 16-bit inputs into poisoned outputs; out checked by the
@@ -114,7 +120,8 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, 
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_mma_forward(spec, qb, kb, vb, out, lse, config=config,
-                       extras=case.kernel_extras(spec, qb, kb, lse))
+                       extras=case.kernel_extras(spec, qb, kb, lse),
+                       tiles=case.tiles(spec, qb, kb, lse))
     q, k, v = (case.ref(x) for x in (q, k, v))
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
     base_out, _ = plain16_forward(np, q, k, v, spec, dtype, case.extras)
@@ -145,7 +152,8 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     kernel_lse = lse.reshape(case.lse_shape)
     outb = outb.reshape(qb.shape)
     launch_mma_backward(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
-                        extras=case.kernel_extras(spec, qb, kb, kernel_lse))
+                        extras=case.kernel_extras(spec, qb, kb, kernel_lse),
+                        tiles=case.tiles(spec, qb, kb, kernel_lse))
     refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64, case.extras)
     bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):

@@ -24,6 +24,7 @@ from .gpu import simulator_enabled
 from .launch import on_device
 from .mma.engine import MmaEngine
 from .simt.engine import SimtEngine
+from .tile_classes import check_mask_mod
 
 
 class NumbaBackend(Backend):
@@ -114,6 +115,8 @@ class NumbaBackend(Backend):
     def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)
+        if spec.mask_mod is not None:
+            check_mask_mod(spec.mask_mod)
         nheads, seqlen_q = int(q.shape[-2]), int(q.shape[-3])
         lse_shape = (nheads, seqlen_q) if spec.varlen else (int(q.shape[0]), nheads, seqlen_q)
         with self._on_device(q):
@@ -127,6 +130,8 @@ class NumbaBackend(Backend):
     def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)
+        if spec.mask_mod is not None:
+            check_mask_mod(spec.mask_mod)
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), spec.dtype) for x in (q, k, v)]
             dout, q, k, v, out, lse = _batched(spec, (dout, q, k, v, out, lse))

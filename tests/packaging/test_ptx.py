@@ -65,13 +65,13 @@ def test_every_kernel_compiled(reports):
 
 
 def test_the_variant_kernels_compiled(reports):
-    """GQA, a causal window, softcap, ALiBi and varlen at once (ptx_check.VARIANTS), and the
-    same with a floating attn_mask instead of varlen (ptx_check.MASKED), at head dim 128,
-    where the dense kernels come nearest to 255 registers: the checks below hold for them
-    too."""
+    """GQA, a causal window, softcap, ALiBi and varlen at once (ptx_check.VARIANTS), the
+    same with a floating attn_mask instead of varlen (ptx_check.MASKED), and a document
+    mask_mod with causal, softcap and GQA (ptx_check.MASK_MODDED), at head dim 128, where the
+    dense kernels come nearest to 255 registers: the checks below hold for them too."""
     seen = {(r["kernel"], r["cc"]) for r in reports}
     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
-        for variants in ("variants", "masked"):
+        for variants in ("variants", "masked", "mask_mod"):
             assert (f"{kind}_d128_{variants}_float32_async", 90) in seen
             assert (f"mma_{kind}_d128_{variants}_bf16", 90) in seen
 

@@ -1,6 +1,6 @@
 """The variants at real sizes on a CUDA GPU (`python -m pytest -m gpu`): every Numba engine and
 the cupy backend through the API, forward and backward, against float64 by the accuracy rule
-(varlen and attention masks too); GQA's dK/dV bitwise deterministic."""
+(varlen, attention masks and mask_mods too); GQA's dK/dV bitwise deterministic."""
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
@@ -29,6 +29,12 @@ CASES = [
     ("float-mask-per-head-causal-d64", (2, 900, 900, 4, 4, 64), dict(mask="float", causal=True)),
     ("bool-mask-softcap-window", (1, 700, 800, 2, 1, 128),
      dict(mask="bool", softcap=20.0, window_size=(200, 100))),
+    ("document-mask-mod-causal-gqa2", (2, 1000, 1000, 4, 2, 128),
+     dict(mask_mod="document", causal=True)),
+    ("striped-mask-mod-softcap-d64", (1, 700, 900, 4, 4, 64),
+     dict(mask_mod="striped", softcap=20.0)),
+    ("document-block-mask-window", (1, 1200, 1200, 2, 1, 128),
+     dict(mask_mod="document", block_mask=True, window_size=(300, 0))),
 ]
 IDS = [case[0] for case in CASES]
 
@@ -79,6 +85,13 @@ def _extras(cp, rng, options, shape, dtype):
     options = dict(options)
     alibi, mask_kind = options.pop("alibi", False), options.pop("mask", None)
     batch, seqlen_q, seqlen_k, nheads = shape[:4]
+    if "mask_mod" in options:
+        mask_mod = _mask_mod(cp, rng, options.pop("mask_mod"), max(seqlen_q, seqlen_k))
+        if options.pop("block_mask", False):
+            options["block_mask"] = numba_flash.block_mask(mask_mod, None, None, seqlen_q,
+                                                           seqlen_k)
+        else:
+            options["mask_mod"] = mask_mod
     slopes = mask = None
     if alibi:
         slopes = cp.asarray(rng.uniform(0.02, 0.5, nheads if alibi == "per-head"
@@ -100,14 +113,34 @@ def _extras(cp, rng, options, shape, dtype):
     return options, Extras(slopes, attn_mask=mask)
 
 
+def _mask_mod(cp, rng, kind, length):
+    """A mask_mod over a captured device array: "document" (random documents of 50 to 400
+    tokens) or "striped" (key stripes of 48 that depend on the batch entry and head)."""
+    if kind == "document":
+        lengths = rng.integers(50, 400, length // 50 + 1)
+        document_ids = cp.asarray(np.repeat(np.arange(len(lengths)), lengths)[:length],
+                                  cp.int32)
+
+        def document(b, h, q_idx, kv_idx):
+            return document_ids[q_idx] == document_ids[kv_idx]
+        return document
+    shift = cp.asarray(rng.integers(0, 3, 64), cp.int32)
+
+    def striped(b, h, q_idx, kv_idx):
+        return (kv_idx // 48 + shift[b * 8 + h]) % 3 != 0 or q_idx % 97 == kv_idx % 97
+    return striped
+
+
 def _spec(q, k, options, extras, **varlen):
     """The call's spec, for the references."""
     mask = extras.attn_mask
+    block_mask = options.get("block_mask")
     return make_spec(q, k, alibi=extras.alibi_slopes is not None,
                      attn_mask=None if mask is None else str(options["attn_mask"].dtype)
                      .replace("torch.", ""), **varlen,
+                     mask_mod=block_mask.mask_mod if block_mask else options.get("mask_mod"),
                      **{key: x for key, x in options.items()
-                        if key not in ("alibi_slopes", "attn_mask")})
+                        if key not in ("alibi_slopes", "attn_mask", "mask_mod", "block_mask")})
 
 
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
@@ -160,8 +193,9 @@ VARLEN_LENGTHS = [(700, 700), (1, 40), (1500, 1200), (0, 30), (333, 0), (900, 11
 
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
                                             ("numba-simt", "float32"), ("cupy", "float16")])
-@pytest.mark.parametrize("options", [dict(causal=True), dict(alibi=True, window_size=(200, 64))],
-                         ids=["causal", "alibi-window"])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(alibi=True, window_size=(200, 64)),
+                                     dict(mask_mod="striped", causal=True)],
+                         ids=["causal", "alibi-window", "striped-mask-mod-causal"])
 def test_varlen_on_gpu(cp, rng, backend, dtype, options):
     """Six packed sequences (one without keys, one without queries), GQA 8/2, d128."""
     cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)

@@ -6,13 +6,20 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from variant_cases import FIXED, FIXED_IDS, OPTIONS, run_simt, spec_options
+from variant_cases import (FIXED, FIXED_IDS, MASK_MOD_CASES, MASK_MOD_IDS, OPTIONS, run_simt,
+                           spec_options)
 
 
 @pytest.mark.parametrize("name, shape, kv_heads, causal, options", FIXED, ids=FIXED_IDS)
 @pytest.mark.parametrize("dtype, async_copy", [("float32", True), ("float16", False)])
 def test_simt_kernels(rng, name, shape, kv_heads, causal, options, dtype, async_copy):
     run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options)
+
+
+@pytest.mark.parametrize("name, shape, kv_heads, causal, options, loads", MASK_MOD_CASES,
+                         ids=MASK_MOD_IDS)
+def test_simt_kernels_with_a_mask_mod(rng, name, shape, kv_heads, causal, options, loads):
+    run_simt(rng, shape, kv_heads, causal, *loads, options)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

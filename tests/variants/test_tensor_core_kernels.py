@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mma_cases import run_backward, run_forward
-from variant_cases import FIXED, MMA_BACKWARD, MMA_FORWARD, OPTIONS, spec_options
+from variant_cases import (FIXED, MASK_MOD_CASES, MASK_MOD_IDS, MMA_BACKWARD, MMA_FORWARD,
+                           OPTIONS, spec_options)
 
 
 # The fixed cases but the two of windows alone (wider than the sequence, left only), whose
@@ -27,6 +28,15 @@ MMA_CASES.append(("bfloat16-mask-causal", (1, 18, 18, 2, 16), 1, True,
 def test_tensor_core_kernels(rng, name, shape, kv_heads, causal, options, dtype):
     run_forward(rng, shape, causal, dtype, MMA_FORWARD, kv_heads, **options)
     run_backward(rng, shape, causal, dtype, MMA_BACKWARD, kv_heads, **options)
+
+
+@pytest.mark.parametrize("name, shape, kv_heads, causal, options, loads", MASK_MOD_CASES[::2],
+                         ids=MASK_MOD_IDS[::2])
+def test_tensor_core_kernels_with_a_mask_mod(rng, name, shape, kv_heads, causal, options,
+                                             loads):
+    """(float16; the document mask and varlen's striped one: the tile tables' two sources)"""
+    run_forward(rng, shape, causal, "float16", MMA_FORWARD, kv_heads, **options)
+    run_backward(rng, shape, causal, "float16", MMA_BACKWARD, kv_heads, **options)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

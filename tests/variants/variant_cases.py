@@ -19,6 +19,21 @@ SIMT_BACKWARD = SimtBackwardConfig(1, 1, 2, 1, 2)  # dk/dv: 4 keys x 16 queries;
 MMA_FORWARD = MmaConfig(block_n=16, warps=1)
 MMA_BACKWARD = MmaBackwardConfig(block_m=16, block_n=16, warps=1)
 
+#: documents of 7 to 13 tokens (a packed batch's document ids, as a mask_mod reads them)
+DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), [7, 13, 9, 11, 8, 12, 10, 10])
+
+
+def document_mask(b, h, q_idx, kv_idx):
+    """Queries see the keys of their own document (with causal: the earlier ones)."""
+    return DOCUMENTS[q_idx] == DOCUMENTS[kv_idx]
+
+
+def striped_mask(b, h, q_idx, kv_idx):
+    """Key stripes of 16 that depend on the batch entry and head (tiles with no key seen
+    inside a row's range), and the first key for every query of even heads."""
+    return (kv_idx // 16 + b + h) % 3 != 1 or (kv_idx == 0 and h % 2 == 0)
+
+
 # (name, (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, options)
 FIXED = [
     ("mqa-causal", (1, 17, 21, 8, 16), 1, True, {}),
@@ -48,6 +63,19 @@ FIXED = [
 ]
 FIXED_IDS = [case[0] for case in FIXED]
 
+# mask_mod, through the tile tables (tile_classes.py) at the one-warp configs' tiles (several
+# tiles each way: spans that cut the ranges, empty tiles inside them), each with the SIMT
+# inputs it runs with (dtype, cp.async): the simulator evaluates a mask_mod slowly
+MASK_MOD_CASES = [
+    ("document-mask-mod-causal-gqa2", (1, 30, 34, 2, 16), 1, True,
+     dict(mask_mod=document_mask), ("float32", True)),
+    ("striped-mask-mod-softcap", (2, 13, 40, 2, 16), 2, False,
+     dict(mask_mod=striped_mask, softcap=2.0), ("float16", False)),
+    ("varlen-striped-mask-mod", (3, 13, 40, 2, 16), 1, False,
+     dict(mask_mod=striped_mask, lengths=[(13, 40), (0, 5), (6, 21)]), ("float32", False)),
+]
+MASK_MOD_IDS = [case[0] for case in MASK_MOD_CASES]
+
 
 def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     """The SIMT forward and backward (float32 arithmetic; float32 or float16 inputs)."""
@@ -67,7 +95,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     out = np.full(q.shape, np.nan, dtype)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
     launch_forward(spec, q, k, v, out, lse, 0, SIMT_FORWARD, async_copy=async_copy,
-                   extras=case.kernel_extras(spec, q, k, lse))
+                   extras=case.kernel_extras(spec, q, k, lse), tiles=case.tiles(spec, q, k, lse))
     refs = [case.ref(x) for x in (q, k, v)]
     ref_out, ref_lse = attention_forward(np, *refs, spec, np.float64, case.extras)
     base_out, base_lse = plain_forward(*refs, spec)
@@ -79,7 +107,8 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     grads = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)]  # poisoned
     delta = np.full(lse.shape, np.nan, np.float32)
     launch_backward(spec, dout, q, k, v, out, lse, delta, *grads, 0, async_copy=async_copy,
-                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, q, k, lse))
+                    config=SIMT_BACKWARD, extras=case.kernel_extras(spec, q, k, lse),
+                    tiles=case.tiles(spec, q, k, lse))
     ref_arrays = [case.ref(x) for x in (dout, q, k, v, out, lse)]
     refs = attention_backward(np, *ref_arrays, spec, np.float64, case.extras)
     bases = plain_backward(*ref_arrays, spec)

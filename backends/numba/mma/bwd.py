@@ -13,7 +13,8 @@ P = exp2(S·scale·log2(e) − lse·log2(e)) recomputed from Q, K and the saved 
      straight into A fragments (dO and Q read with ldmatrix.trans).
   3. `dq`: one block per query tile, warp w owning 16 queries: S = Q Kᵀ, dP = dO Vᵀ,
      dS = P ∘ (dP − D), dQ += dS K.
-The score mods (softcap, ALiBi) and varlen's sequences are device/'s, as in the forward.
+The score mods (softcap, ALiBi), varlen's sequences and a mask_mod's tile table (ranges cut to
+its spans; the products of tiles no query sees skipped) are device/'s, as in the forward.
 With MmaBackwardConfig.d_split = 2 (head dim 256, whose dK and dV accumulators would not fit
 in a warp's registers) each (key or query tile, head) gets two blocks, each accumulating and
 writing one half of the head dim's columns; both compute the whole Sᵀ and dPᵀ (or S and dP).
@@ -27,16 +28,18 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16
 
-from ..device.block_range import make_block_range, make_group_walk
+from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
 from ..device.mask import make_mask
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import grad_score, lse_log2, probability
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
 from .config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                         make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
@@ -77,6 +80,7 @@ def mma_dk_dv_kernel_function(config, spec):
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     head_slope = score_mod.head_slope
@@ -95,7 +99,8 @@ def mma_dk_dv_kernel_function(config, spec):
             stats[2 * stage + 1, r] = delta[b, h, m0 + r] if in_range else ZERO
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
-                            alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask):
+                            alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
+                            tile_spans):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -134,7 +139,9 @@ def mma_dk_dv_kernel_function(config, spec):
         load_tile(k_tile, 0, k, b, k_start + n0, h_kv, k_end, BLOCK_N)
         load_tile(v_tile, 0, v, b, k_start + n0, h_kv, k_end, BLOCK_N)
         cp_async_commit()
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        m_begin, m_end = narrow(tiles, seq, h_kv, cuda.blockIdx.x, m_begin, m_end, BLOCK_M)
         m_stop, span = group_walk(m_begin, m_end)
         h_first = h_kv * GROUP
         if STAGES == 2:
@@ -153,7 +160,8 @@ def mma_dk_dv_kernel_function(config, spec):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)
             slope = head_slope(alibi_slopes, seq, h_first + head)
-            mask_at = (attn_mask, b, h_first + head)  # (device/attn_mask.py)
+            mask_at = (attn_mask, seq, h_first + head)  # (device/attn_mask.py)
+            kind = mod_class(tiles, seq, h_first + head, m0, n0)
             # Load: this query tile (one stage), or the next one, of this head or the next,
             # behind this one (two stages).
             if STAGES == 2:
@@ -172,27 +180,31 @@ def mma_dk_dv_kernel_function(config, spec):
             stage_bytes = 2 * ROW * BLOCK_M * stage  # where this stage's Q and dO rows start
             # (the addresses go through `opaque` each tile: see ldmatrix._LDMATRIX_AT's comment)
 
-            # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys.
-            scores(s, opaque(k_a), opaque(q_b + stage_bytes))
-            scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
-            for nq in range(NQ):
-                for r in range(4):
-                    c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                    # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                    score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
-                                                   key_lo + 8 * (r // 2), offset, seqlen_k,
-                                                   mask_at)
-                    p = probability(score, tile_scale, stats[2 * stage, c])
-                    if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
-                                               mask_at):
-                        p = ZERO
-                    s[0, nq, r] = p
-                    dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[2 * stage + 1, c]) * dscore
+            # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys (not for a tile no
+            # query sees: mask_mod's EMPTY).
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            if kind != EMPTY:
+                scores(s, opaque(k_a), opaque(q_b + stage_bytes))
+                scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
+                for nq in range(NQ):
+                    for r in range(4):
+                        c = 8 * nq + 2 * t + r % 2  # the query within the tile
+                        # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
+                        score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
+                                                       key_lo + 8 * (r // 2), offset, seqlen_k,
+                                                       mask_at)
+                        p = probability(score, tile_scale, stats[2 * stage, c])
+                        if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k,
+                                                   offset, mask_at):
+                            p = ZERO
+                        s[0, nq, r] = p
+                        dp[0, nq, r] = grad_score(p, dp[0, nq, r],
+                                                  stats[2 * stage + 1, c]) * dscore
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
-            accumulate(dv_acc, s, opaque(do_t + stage_bytes))
-            accumulate(dk_acc, dp, opaque(q_t + stage_bytes))
+            if kind != EMPTY:
+                accumulate(dv_acc, s, opaque(do_t + stage_bytes))
+                accumulate(dk_acc, dp, opaque(q_t + stage_bytes))
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
 
@@ -229,6 +241,7 @@ def mma_dq_kernel_function(config, spec):
     store = make_warp_store(spec.bf16, DB)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     head_slope = score_mod.head_slope
@@ -241,7 +254,7 @@ def mma_dq_kernel_function(config, spec):
         load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, k_end, BLOCK_N)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                         cu_seqlens_q, cu_seqlens_k, attn_mask):
+                         cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -251,15 +264,16 @@ def mma_dq_kernel_function(config, spec):
         h = cuda.blockIdx.y // d_split
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dQ column
-        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
-                                                           cu_seqlens_k)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence)
         q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
-        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
-        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
+        slope = head_slope(alibi_slopes, seq, h)
+        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8
         lse_lo = lse_log2(lse[b, h, q_start + row_lo]) if row_lo < seqlen_q else POS_INF
@@ -285,6 +299,7 @@ def mma_dq_kernel_function(config, spec):
         load_tile(do_tile, 0, dout, b, q_start + m0, h, q_end, BLOCK_M)
         cp_async_commit()
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // BLOCK_M, n_begin, n_end, BLOCK_N)
         if STAGES == 2:
             if n_begin < n_end:
                 load_keys(k_tiles, v_tiles, k, v, b, h_kv, k_start + n_begin, k_end, 0)
@@ -312,27 +327,31 @@ def mma_dq_kernel_function(config, spec):
             cuda.syncthreads()  # why: Q, dO (first time), K, V tiles complete before reads
             stage_bytes = 2 * ROW * BLOCK_N * stage  # where this stage's K and V rows start
 
-            # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D).
-            scores(s, opaque(q_a), opaque(k_b + stage_bytes))
-            scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
-            for nb in range(NB):
-                for r in range(4):
-                    hi = r >= 2
-                    col = n0 + 8 * nb + 2 * t + r % 2
-                    score, dscore = score_and_grad(s[0, nb, r], pre, slope,
-                                                   row_hi if hi else row_lo, col, offset,
-                                                   seqlen_k, mask_at)
-                    p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                    if partial and not visible(row_hi if hi else row_lo, col, seqlen_k, offset,
-                                               mask_at):
-                        p = ZERO
-                    s[0, nb, r] = p
-                    dp[0, nb, r] = grad_score(p, dp[0, nb, r],
-                                              delta_hi if hi else delta_lo) * dscore
+            # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D) (not for a tile
+            # no query sees: mask_mod's EMPTY).
+            kind = mod_class(tiles, seq, h, m0, n0)
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            if kind != EMPTY:
+                scores(s, opaque(q_a), opaque(k_b + stage_bytes))
+                scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
+                for nb in range(NB):
+                    for r in range(4):
+                        hi = r >= 2
+                        col = n0 + 8 * nb + 2 * t + r % 2
+                        score, dscore = score_and_grad(s[0, nb, r], pre, slope,
+                                                       row_hi if hi else row_lo, col, offset,
+                                                       seqlen_k, mask_at)
+                        p = probability(score, tile_scale, lse_hi if hi else lse_lo)
+                        if partial and not visible(row_hi if hi else row_lo, col, seqlen_k,
+                                                   offset, mask_at):
+                            p = ZERO
+                        s[0, nb, r] = p
+                        dp[0, nb, r] = grad_score(p, dp[0, nb, r],
+                                                  delta_hi if hi else delta_lo) * dscore
 
             # Accumulate: dQ += dS K (scaled at the end).
-            accumulate(dq_acc, dp, opaque(k_t + stage_bytes))
+            if kind != EMPTY:
+                accumulate(dq_acc, dp, opaque(k_t + stage_bytes))
             cuda.syncthreads()  # why: all warps are done with this stage before it is refilled
             stage = (stage + 1) % STAGES
 
@@ -347,15 +366,15 @@ def mma_dq_kernel_function(config, spec):
 @functools.lru_cache(maxsize=None)
 def mma_backward_kernels(config, spec):
     """The compiled (dk_dv, dq) kernels of one MmaBackwardConfig and kernel spec."""
-    return (cuda.jit(mma_dk_dv_kernel_function(config, spec), cache=True),
-            cuda.jit(mma_dq_kernel_function(config, spec), cache=True))
+    return (cuda.jit(mma_dk_dv_kernel_function(config, spec), cache=spec.mask_mod is None),
+            cuda.jit(mma_dq_kernel_function(config, spec), cache=spec.mask_mod is None))
 
 
 def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
-                        config=None, extras=None):
+                        config=None, extras=None, tiles=None):
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
     16-byte aligned rows, headdim the padded head dim; lse, delta (scratch): float32 (batch,
-    nheads, seqlen_q). `extras` as launch_mma_forward's. `config` overrides
+    nheads, seqlen_q). `extras` and `tiles` as launch_mma_forward's. `config` overrides
     mma_backward_config (tests, tuning)."""
     check_rows_contiguous(dout=dout, q=q, k=k, v=v)
     _, _, nheads, head_dim = q.shape
@@ -376,6 +395,8 @@ def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream
     split_heads = nheads * config.d_split  # (head, part of the head dim) per blockIdx.y
     kv_split_heads = k.shape[2] * config.d_split  # dK, dV: per key/value head (GQA)
     launch(dk_dv_kernel, (-(-seqlen_k // rows), kv_split_heads, batch), threads, stream,
-           dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras)
+           dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras,
+           *tile_arguments(tiles, lse, config.block_m, rows, along_keys=True))
     launch(dq_kernel, (-(-seqlen_q // rows), split_heads, batch), threads, stream, dq_bytes,
-           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras)
+           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras,
+           *tile_arguments(tiles, lse, rows, config.block_n))

@@ -44,11 +44,13 @@ def mma_forward_shared_bytes(config, head_dim):
 
 def mma_forward_config(head_dim, spec=None):
     """The tensor-core forward's config for head_dim (and the call's spec), or None if it has
-    none. A spec with an attn_mask takes one 16-row slice per warp: reading the mask's
-    elements in the score loop took the two-slice kernels past 255 registers (spills at d64
-    and d128 once softcap or ALiBi came with it; docs/KERNEL_NOTES.md, "Masks")."""
+    none. A spec with an attn_mask or a mask_mod takes one 16-row slice per warp: reading
+    the mask's elements in the score loop took the two-slice kernels past 255 registers
+    (spills at d64 and d128 once softcap or ALiBi came with it; docs/KERNEL_NOTES.md,
+    "Masks"; a mask_mod with every other variant spilled 132 bytes at d128)."""
     config = None if head_dim % 16 else lookup(_MMA_FORWARD, head_dim)
-    if config is not None and spec is not None and spec.attn_mask is not None:
+    if config is not None and spec is not None and (spec.attn_mask is not None
+                                                    or spec.mask_mod is not None):
         config = replace(config, slices=1)
     return config
 

@@ -9,6 +9,7 @@ from numba_flash import _arrays
 from .. import marshal
 from ..engine import Engine
 from ..gpu import TENSOR_CORE_CC, compute_capability, simulator_enabled
+from ..tile_classes import call_tiles
 from .bwd import launch_mma_backward
 from .config import mma_head_dim
 from .fwd import launch_mma_forward
@@ -45,8 +46,10 @@ class MmaEngine(Engine):
                   for x in (q, k, v)]
         out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
         lse_view = marshal.view(lse)
-        launch_mma_forward(spec, *inputs, out_view, lse_view, stream,
-                           extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
+        kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
+        launch_mma_forward(spec, *inputs, out_view, lse_view, stream, extras=kernel_extras,
+                           tiles=call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc,
+                                            stream))
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 
@@ -56,9 +59,12 @@ class MmaEngine(Engine):
                   for x in (dout, q, k, v, out)]
         outputs = [marshal.tile_ready_output(g, alloc, head_dim) for g in grads]
         lse_view = marshal.view(lse)
+        kernel_extras = marshal.kernel_extras(spec, extras, *inputs[1:3], lse_view)
         launch_mma_backward(spec, *inputs, lse_view, marshal.view(delta),
                             *(kernel_view for kernel_view, _ in outputs), stream,
-                            extras=marshal.kernel_extras(spec, extras, *inputs[1:3], lse_view))
+                            extras=kernel_extras,
+                            tiles=call_tiles(spec, extras, kernel_extras, *inputs[1:3], alloc,
+                                             stream))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)

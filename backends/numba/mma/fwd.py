@@ -14,7 +14,9 @@ BLOCK_N keys are shared by the warps.
     varlen: grid.z runs over the packed sequences (device/sequence.py).
   - Online softmax on the S accumulators in registers (device/softmax.py), log2 units, the
     row max/sum of a row combined over its 4 lanes with shuffles; the mask (device/mask.py)
-    only on partial tiles (device/block_range.py).
+    only on partial tiles (device/block_range.py). A mask_mod's tile table
+    (device/mask_mod.py) narrows the key range and marks tiles no row sees, whose products
+    and softmax are skipped (not their loads: a tile's copy is issued a tile ahead).
   - P stays in registers: the S accumulator layout of two adjacent 8-key blocks is exactly the
     A-fragment layout of a 16-key chunk, so P is packed to f16/bf16 and fed to the P·V mma
     (fragments.make_warp_accumulate).
@@ -32,16 +34,18 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from ..device.block_range import make_block_range
+from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
 from ..device.mask import make_mask
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize, online_update, probability
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
 from .config import ROW_PAD, mma_forward_config, mma_forward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
                         make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
@@ -88,6 +92,7 @@ def mma_forward_kernel_function(config, spec):
             scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
                                                   score_mod.scales)
@@ -96,22 +101,23 @@ def mma_forward_kernel_function(config, spec):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
-                          cu_seqlens_k, attn_mask):
+                          cu_seqlens_k, attn_mask, tile_classes, tile_spans):
         lane = cuda.threadIdx.x % WARP
         g = lane // 4  # the lane's row within an 8-row group
         t = lane % 4  # the lane's column pair
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
-                                                           cu_seqlens_k)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence)
         q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
-        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
-        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
+        slope = head_slope(alibi_slopes, seq, h)
+        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1
         # (the lo / hi rows of the mma fragments: accumulator entries r < 2 and r >= 2).
@@ -138,6 +144,7 @@ def mma_forward_kernel_function(config, spec):
                 l_i[sl, half] = ZERO
 
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // BLOCK_M, n_begin, n_end, BLOCK_N)
 
         # Load: Q, then the first K and V tiles, as three commit groups.
         load_tile(q_tile, 0, q, b, q_start + m0, h, q_end, BLOCK_M)
@@ -168,8 +175,11 @@ def mma_forward_kernel_function(config, spec):
             cp_async_wait(1)  # the K tile of n0 has landed (the V tile may still be in flight)
             cuda.syncthreads()  # why: every thread's part of the K tile is visible
 
+            kind = mod_class(tiles, seq, h, m0, n0)
+            seen = kind != EMPTY  # (False: no row sees a key of this tile; mask_mod only)
             # Scores: S = Q Kᵀ, 16·SL x BLOCK_N per warp, in registers.
-            q_scores(s, q_frag, q_lane, k_at)
+            if seen:
+                q_scores(s, q_frag, q_lane, k_at)
             cuda.syncthreads()  # why: all warps are done reading the K tile before it is reused
 
             # Load: the next K tile, behind the softmax and P·V of this one.
@@ -177,52 +187,55 @@ def mma_forward_kernel_function(config, spec):
                 load_tile(k_tile, 0, k, b, k_start + n0 + BLOCK_N, h_kv, k_end, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
-            for sl in range(SL):
-                row_lo = m0 + warp_row0 + 16 * sl + g
-                if SCORE_MOD:  # (before the mask, which must leave -inf)
-                    for nb in range(NB):
-                        for r in range(4):
-                            s[sl, nb, r] = modified_score(
-                                s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
-                                n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k, mask_at)
-                # Mask: -inf where the row does not see the key (partial tiles only).
-                if partial:
-                    for nb in range(NB):
-                        for r in range(4):
-                            col = n0 + 8 * nb + 2 * t + r % 2
-                            if not visible(row_lo + 8 * (r // 2), col, seqlen_k, offset,
-                                           mask_at):
-                                s[sl, nb, r] = NEG_INF
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            if seen:
+                for sl in range(SL):
+                    row_lo = m0 + warp_row0 + 16 * sl + g
+                    if SCORE_MOD:  # (before the mask, which must leave -inf)
+                        for nb in range(NB):
+                            for r in range(4):
+                                s[sl, nb, r] = modified_score(
+                                    s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
+                                    n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k, mask_at)
+                    # Mask: -inf where the row does not see the key (partial tiles only).
+                    if partial:
+                        for nb in range(NB):
+                            for r in range(4):
+                                col = n0 + 8 * nb + 2 * t + r % 2
+                                if not visible(row_lo + 8 * (r // 2), col, seqlen_k, offset,
+                                               mask_at):
+                                    s[sl, nb, r] = NEG_INF
 
-                # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken
-                # on the unscaled scores (the scale is positive).
-                for half in range(2):
-                    tile_max = NEG_INF
-                    for nb in range(NB):
-                        tile_max = max(tile_max, max(s[sl, nb, 2 * half], s[sl, nb, 2 * half + 1]))
-                    for mask in (1, 2):
-                        tile_max = max(tile_max, shfl_xor(tile_max, mask))
-                    m_i[sl, half], ref[half], alpha[half] = online_update(
-                        m_i[sl, half], tile_max * tile_scale)
-                for db in range(DB):
-                    for r in range(4):
-                        acc[sl, db, r] *= alpha[r // 2]
-                # P = exp2(S·scale·log2(e) - m), in place of S.
-                for half in range(2):
-                    row_sum = ZERO
-                    for nb in range(NB):
-                        for c in range(2):
-                            s[sl, nb, 2 * half + c] = probability(s[sl, nb, 2 * half + c],
-                                                                  tile_scale, ref[half])
-                        row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
-                    l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
+                    # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken
+                    # on the unscaled scores (the scale is positive).
+                    for half in range(2):
+                        tile_max = NEG_INF
+                        for nb in range(NB):
+                            tile_max = max(tile_max, max(s[sl, nb, 2 * half],
+                                                         s[sl, nb, 2 * half + 1]))
+                        for mask in (1, 2):
+                            tile_max = max(tile_max, shfl_xor(tile_max, mask))
+                        m_i[sl, half], ref[half], alpha[half] = online_update(
+                            m_i[sl, half], tile_max * tile_scale)
+                    for db in range(DB):
+                        for r in range(4):
+                            acc[sl, db, r] *= alpha[r // 2]
+                    # P = exp2(S·scale·log2(e) - m), in place of S.
+                    for half in range(2):
+                        row_sum = ZERO
+                        for nb in range(NB):
+                            for c in range(2):
+                                s[sl, nb, 2 * half + c] = probability(s[sl, nb, 2 * half + c],
+                                                                      tile_scale, ref[half])
+                            row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
+                        l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
             cuda.syncthreads()  # why: every thread's part of the V tile is visible
 
             # Accumulate: O += P V, with P packed from the S registers into A fragments.
-            accumulate_pv(acc, s, v_at)
+            if seen:
+                accumulate_pv(acc, s, v_at)
             cuda.syncthreads()  # why: all warps are done reading the V tile before it is reused
 
             # Load: the next V tile, behind the next S = Q Kᵀ.
@@ -248,15 +261,16 @@ def mma_forward_kernel_function(config, spec):
 
 @functools.lru_cache(maxsize=None)
 def mma_forward_kernel(config, spec):
-    return cuda.jit(mma_forward_kernel_function(config, spec), cache=True)
+    return cuda.jit(mma_forward_kernel_function(config, spec), cache=spec.mask_mod is None)
 
 
-def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None):
+def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None, tiles=None):
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run at;
     lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
-    cu_seqlens_q, cu_seqlens_k) (marshal.kernel_extras), for a spec that has them. `config`
-    overrides mma_forward_config (tests, tuning)."""
+    cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras), for a spec that has them;
+    `tiles`: a mask_mod's tile tables (tile_classes.py). `config` overrides
+    mma_forward_config (tests, tuning)."""
     check_rows_contiguous(q=q, k=k, v=v)
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
@@ -267,5 +281,7 @@ def launch_mma_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=No
                          f"pads it: config.mma_head_dim)")
     kernel = mma_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
+    tile_args = tile_arguments(tiles, lse, config.block_m, config.block_n)
     launch(kernel, grid, WARP * config.warps, stream, mma_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras)
+           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras,
+           *tile_args)

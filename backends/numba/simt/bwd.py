@@ -28,16 +28,18 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import make_block_range, make_group_walk
+from ..device.block_range import FULL, make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
 from ..device.mask import make_mask
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import grad_score, lse_log2, probability
 from ..gpu import SHARED_MEMORY_BYTES
 from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
 from .config import simt_backward_config, simt_backward_shared_bytes
 from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
                     make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
@@ -72,6 +74,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     head_slope = score_mod.head_slope
@@ -79,7 +82,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
-                        alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask):
+                        alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
+                        tile_spans):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
@@ -115,7 +119,9 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         # Load: K and V, once; Q, dO, lse and D of the first query tile (of the group's first
         # query head) into stage 0. (Rows past seqlen_q, as when no query sees the keys, are
         # zeros with lse +inf.)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py: a mask_mod's tile table)
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        m_begin, m_end = narrow(tiles, seq, h_kv, cuda.blockIdx.x, m_begin, m_end, BLOCK_M)
         m_stop, span = group_walk(m_begin, m_end)
         h_first = h_kv if GROUP == 1 else h_kv * GROUP  # (so with GROUP = 1: blockIdx.y,
         #                                                  whose range spares index checks)
@@ -135,7 +141,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)  # (this tile's: loaded already)
             slope = head_slope(alibi_slopes, seq, h_first + head)
-            mask_at = (attn_mask, b, h_first + head)  # (device/attn_mask.py)
+            mask_at = (attn_mask, seq, h_first + head)  # (device/attn_mask.py)
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
             # Load: the next query tile (of this head or the next) into the other stage (two
@@ -161,7 +167,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
             tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
             tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(
+                tiles, seq, mask_at[2], m0, n0) != FULL
             for i in range(TK):
                 key = ty + LANE_ROWS * i
                 for j in range(TQ):
@@ -220,6 +227,7 @@ def _dq_kernel_function(config, spec, async_copy):
     REG_D = (TM, 4 * CHUNKS)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
     head_slope = score_mod.head_slope
@@ -227,22 +235,23 @@ def _dq_kernel_function(config, spec, async_copy):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                     cu_seqlens_q, cu_seqlens_k, attn_mask):
+                     cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
-                                                           cu_seqlens_k)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence)
         q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
-        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
-        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
+        slope = head_slope(alibi_slopes, seq, h)
+        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py: a mask_mod's tile table)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -265,6 +274,7 @@ def _dq_kernel_function(config, spec, async_copy):
 
         # Load: Q and dO, once; K and V of the first key tile into stage 0.
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // BLOCK_M, n_begin, n_end, BLOCK_N)
         load_q_tile(q_tile, 0, q, b, q_start + m0, h, q_end)
         load_q_tile(do_tile, 0, dout, b, q_start + m0, h, q_end)
         if n_begin < n_end:
@@ -288,7 +298,8 @@ def _dq_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_N  # this stage's rows in k_tiles, v_tiles
             tile_scores(s, q_tile, k_tiles, ty, row0 + tx)
             tile_scores(dp, do_tile, v_tiles, ty, row0 + tx)
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k)
+            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(
+                tiles, seq, mask_at[2], m0, n0) != FULL
             for i in range(TM):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
@@ -329,16 +340,17 @@ def backward_kernel_functions(config, spec, async_copy=False):
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(config, spec, async_copy=False):
-    return tuple(cuda.jit(fn, cache=True)
+    return tuple(cuda.jit(fn, cache=spec.mask_mod is None)
                  for fn in backward_kernel_functions(config, spec, async_copy))
 
 
 def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
                     async_copy=False, shared_limit=SHARED_MEMORY_BYTES, config=None,
-                    extras=None):
+                    extras=None, tiles=None):
     """Launch the three SIMT backward kernels; delta is float32 (batch, nheads, seqlen_q)
     scratch. For bfloat16 the arrays of q's shape and k's are uint16 views of bfloat16 data;
-    with async_copy, q, k, v and dout are read by cp.async; `extras` as launch_forward's. The
+    with async_copy, q, k, v and dout are read by cp.async; `extras` and `tiles` as
+    launch_forward's. The
     config is the first for the head dim that fits `shared_limit` bytes of shared memory,
     unless `config` names one."""
     _, _, nheads, head_dim = q.shape
@@ -353,7 +365,9 @@ def launch_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "float", stream)
     dk_dv_grid = (-(-seqlen_k // config.dk_dv_tiles[0]), k.shape[2], batch)  # per k/v head
     launch(dk_dv_kernel, dk_dv_grid, config.threads, stream, dk_dv_bytes,
-           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras)
+           q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras,
+           *tile_arguments(tiles, lse, *config.dk_dv_tiles[::-1], along_keys=True))
     dq_grid = (-(-seqlen_q // config.dq_tiles[0]), nheads, batch)
     launch(dq_kernel, dq_grid, config.threads, stream, dq_bytes,
-           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras)
+           q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras,
+           *tile_arguments(tiles, lse, *config.dq_tiles))

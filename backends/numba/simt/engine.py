@@ -6,6 +6,7 @@ from .. import marshal
 from ..engine import Engine
 from ..gpu import (SHARED_MEMORY_BYTES, TENSOR_CORE_CC, compute_capability, shared_memory_limit,
                    simulator_enabled)
+from ..tile_classes import call_tiles
 from .bwd import launch_backward
 from .fwd import launch_forward
 
@@ -49,15 +50,17 @@ class SimtEngine(Engine):
         async_copy, shared_limit = self._loads(spec, q)
         inputs = self._inputs(spec, (q, k, v), async_copy, alloc, stream)
         lse_view = marshal.view(lse)
+        kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
         launch_forward(spec, *inputs, marshal.view(out, spec.bf16), lse_view, stream,
-                       async_copy=async_copy, shared_limit=shared_limit,
-                       extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
+                       async_copy=async_copy, shared_limit=shared_limit, extras=kernel_extras,
+                       tiles=call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc, stream))
 
     def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         async_copy, shared_limit = self._loads(spec, q)
         dout, q, k, v = self._inputs(spec, (dout, q, k, v), async_copy, alloc, stream)
         views = ([marshal.view(out, spec.bf16), marshal.view(lse), marshal.view(delta)]
                  + [marshal.view(g, spec.bf16) for g in grads])
+        kernel_extras = marshal.kernel_extras(spec, extras, q, k, views[1])
         launch_backward(spec, dout, q, k, v, *views, stream, async_copy=async_copy,
-                        shared_limit=shared_limit,
-                        extras=marshal.kernel_extras(spec, extras, q, k, views[1]))
+                        shared_limit=shared_limit, extras=kernel_extras,
+                        tiles=call_tiles(spec, extras, kernel_extras, q, k, alloc, stream))

@@ -31,15 +31,17 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import make_block_range
+from ..device.block_range import FULL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
 from ..device.mask import make_mask
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize, online_update, probability
 from ..gpu import SHARED_MEMORY_BYTES
 from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
 from .config import simt_forward_config, simt_forward_shared_bytes
 from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
                     make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
@@ -69,6 +71,7 @@ def forward_kernel_function(config, spec, async_copy=False):
                                per_row_scale=True)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
                                                   score_mod.scales)
@@ -79,22 +82,23 @@ def forward_kernel_function(config, spec, async_copy=False):
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
     def flash_forward(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                      attn_mask):
+                      attn_mask, tile_classes, tile_spans):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
-        b, q_start, seqlen_q, k_start, seqlen_k = sequence(cuda.blockIdx.z, q, k, cu_seqlens_q,
-                                                           cu_seqlens_k)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence)
         q_end, k_end = q_start + seqlen_q, k_start + seqlen_k  # the arrays' row bounds
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
-        slope = head_slope(alibi_slopes, cuda.blockIdx.z, h)
-        mask_at = (attn_mask, b, h)  # (device/attn_mask.py)
+        slope = head_slope(alibi_slopes, seq, h)
+        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py: a mask_mod's tile table)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
         q_tile = shared_tile(smem, 0, BLOCK_M, ROW, float32)
@@ -115,6 +119,7 @@ def forward_kernel_function(config, spec, async_copy=False):
 
         # Load: the Q tile and the first K tile.
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // BLOCK_M, n_begin, n_end, BLOCK_N)
         load_q_tile(q_tile, 0, q, b, q_start + m0, h, q_end)
         if n_begin < n_end:
             load_kv_tile(k_tile, 0, k, b, k_start + n_begin, h_kv, k_end)
@@ -136,7 +141,8 @@ def forward_kernel_function(config, spec, async_copy=False):
                         s[i, j] = modified_score(s[i, j], pre, slope, m0 + ty + LANE_ROWS * i,
                                                  n0 + tx + LANE_COLS * j, offset, seqlen_k,
                                                  mask_at)
-            if is_partial(m0, n0, seqlen_q, seqlen_k):
+            if is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(tiles, seq, h, m0,
+                                                                   n0) != FULL:
                 for i in range(TM):
                     for j in range(TN):
                         if not visible(m0 + ty + LANE_ROWS * i, n0 + tx + LANE_COLS * j,
@@ -190,16 +196,19 @@ def forward_kernel_function(config, spec, async_copy=False):
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(config, spec, async_copy=False):
-    """The compiled (lazily specialised on argument types) forward kernel."""
-    return cuda.jit(forward_kernel_function(config, spec, async_copy), cache=True)
+    """The compiled (lazily specialised on argument types) forward kernel (cached on disk
+    but with a mask_mod, whose kernels may hold a captured array's address)."""
+    return cuda.jit(forward_kernel_function(config, spec, async_copy),
+                    cache=spec.mask_mod is None)
 
 
 def launch_forward(spec, q, k, v, out, lse, stream=0, config=None, async_copy=False,
-                   shared_limit=SHARED_MEMORY_BYTES, extras=None):
+                   shared_limit=SHARED_MEMORY_BYTES, extras=None, tiles=None):
     """Launch the SIMT forward on device (or, under the simulator, host) arrays; for bfloat16,
     q, k, v, out are uint16 views of bfloat16 data; with async_copy, q, k, v are read by
     cp.async (see forward_kernel_function). `extras`: the kernels' (alibi_slopes,
-    cu_seqlens_q, cu_seqlens_k) (marshal.kernel_extras), for a spec that has them. The config
+    cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras), for a spec that has them;
+    `tiles`: a mask_mod's tile tables (tile_classes.py). The config
     is the first for the head dim that fits `shared_limit` bytes of shared memory, unless
     `config` names one (for tuning)."""
     _, _, nheads, head_dim = q.shape
@@ -210,4 +219,5 @@ def launch_forward(spec, q, k, v, out, lse, stream=0, config=None, async_copy=Fa
     kernel = forward_kernel(config, spec.for_kernels(), async_copy)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     launch(kernel, grid, config.threads, stream, simt_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, scale_log2, *extras)
+           q, k, v, out, lse, scale_log2, *extras,
+           *tile_arguments(tiles, lse, config.block_m, config.block_n))
