@@ -189,9 +189,14 @@ def check_mask_mod(mask_mod):
         except Exception as error:
             raise TypeError(f"mask_mod {name!r} failed at index (0, 0, 0, 0): "
                             f"{type(error).__name__}: {error}") from None
-        type_name = type(value).__name__
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"mask_mod {name!r} must return a bool; it returned {type_name}")
+        try:  # (a bool, or a NumPy or torch boolean of one element, as a captured array gives)
+            array = np.asarray(value)
+            boolean = array.dtype == np.bool_ and array.size == 1
+        except (TypeError, ValueError, RuntimeError):
+            boolean = False
+        if not boolean:
+            raise TypeError(f"mask_mod {name!r} must return a bool; it returned "
+                            f"{type(value).__name__}")
         return
     from numba import int64
     try:

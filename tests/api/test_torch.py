@@ -194,3 +194,33 @@ def test_bfloat16_parameters(rng, mode):
         expected = leaf.grad.transpose(1, 2)
         assert float((got.double() - expected).abs().max()) < 3e-2 * max(1.0, float(
             expected.abs().max()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mask_mod_gradients_match_torch_math_attention_with_its_mask(rng, mode):
+    """A document mask_mod over a captured tensor of document ids (on the GPU a CUDA tensor,
+    read by the kernels at its address; under the simulator a CPU one) through the autograd
+    Function: torch's math attention with the boolean mask the function describes gives the
+    same output and gradients."""
+    device = "cuda" if mode == "gpu" else "cpu"
+    (seqlen_q, seqlen_k), dim = ((9, 13), 8) if mode == "simulator" else ((300, 513), 32)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.randn(2, n, 2, dim, generator=gen).to(device).requires_grad_()
+               for n in (seqlen_q, seqlen_k, seqlen_k))
+    documents = torch.sort(torch.randint(0, 4, (seqlen_k,), generator=gen)).values
+    document_ids = documents.to(torch.int32).to(device)
+    offset = seqlen_k - seqlen_q  # (queries are the last seqlen_q positions)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return document_ids[q_idx + offset] == document_ids[kv_idx]
+    weight = torch.randn(2, seqlen_q, 2, dim, generator=gen).to(device)
+    out = numba_flash.torch.attention(q, k, v, mask_mod=same_document, causal=True,
+                                      backend="numba")
+    (out * weight).sum().backward()
+
+    positions = torch.arange(seqlen_k)
+    mask = ((documents[offset:, None] == documents[None, :])
+            & (positions[None, :] <= positions[offset:, None])).to(device)  # (each row sees
+    #                                                                        itself at least)
+    ref, leaves = _torch_reference(q, k, v, False, None, attn_mask=mask)
+    _assert_like_reference(out, (q.grad, k.grad, v.grad), ref, leaves, weight)
