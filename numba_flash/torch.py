@@ -6,6 +6,9 @@
     out = numba_flash.torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, causal=True)
 
+`scaled_dot_product_attention` is a drop-in for torch.nn.functional's, with its layout
+(batch, nheads, seqlen, headdim) and its meaning (is_causal top-left aligned).
+
 Imported only when asked for (`import numba_flash` does not import torch). The forward saves
 q, k, v, the output and the row log-sum-exp; the backward recomputes the attention tiles with
 numba_flash.backward. CUDA tensors run on torch's current stream.
@@ -73,3 +76,44 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, backend=backend)
     return FlashAttentionVarlenFunction.apply(q, k, v, varlen, options)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 backend="auto"):
+    """torch.nn.functional.scaled_dot_product_attention's signature and meaning, computed by
+    numba_flash (differentiable): query (batch, nheads, seqlen_q, headdim), key and value
+    (batch, nheads_kv, seqlen_k, headdim), out like query.
+
+    is_causal is SDPA's, aligned to the top-left corner: query i sees key j iff j <= i (where
+    numba_flash's causal aligns to the bottom-right); it runs as our causal on the first
+    seqlen_q keys when seqlen_q <= seqlen_k (the others are seen by no query and get zero
+    gradients), and as the window (-1, seqlen_q - seqlen_k) otherwise. attn_mask: boolean
+    (True: take part) or floating (added), broadcastable to (batch, nheads, seqlen_q,
+    seqlen_k); not with is_causal (as SDPA). enable_gqa: nheads a multiple of nheads_kv. A
+    query that sees no key gets 0 where SDPA gives NaN. dropout_p > 0 is refused (no dropout
+    yet)."""
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0: numba_flash has no attention dropout yet; "
+                         f"got {dropout_p!r}")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"query, key and value must be 4-D (batch, nheads, seqlen, headdim); "
+                         f"got {query.dim()}-D, {key.dim()}-D and {value.dim()}-D")
+    if not enable_gqa and key.shape[1] != query.shape[1]:
+        raise ValueError(f"key and value have {key.shape[1]} heads and query {query.shape[1]}: "
+                         f"pass enable_gqa=True for grouped-query attention")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True together are not allowed (as in SDPA): "
+                         "fold the causal mask into attn_mask")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    options = {}
+    if is_causal:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        if seqlen_q <= seqlen_k:
+            k, v = k[:, :seqlen_q], v[:, :seqlen_q]
+            options["causal"] = True
+        else:
+            options["window_size"] = (-1, seqlen_q - seqlen_k)
+    out = attention(q, k, v, softmax_scale=scale, attn_mask=attn_mask, backend=backend,
+                    **options)
+    return out.transpose(1, 2)
