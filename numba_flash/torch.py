@@ -15,12 +15,13 @@ numba_flash.backward. CUDA tensors run on torch's current stream.
 """
 import torch
 
-from numba_flash import api
+from numba_flash import api, spec, torch_ops
 from numba_flash.spec import NO_WINDOW
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """autograd wrapper of numba_flash.forward / numba_flash.backward."""
+    """autograd wrapper of numba_flash.forward / numba_flash.backward, for the calls with a
+    mask_mod (which the torch.library ops of numba_flash/torch_ops.py cannot take)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
@@ -42,7 +43,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     arguments (k and v may have fewer heads than q: GQA; alibi_slopes, a float32 tensor, and
     attn_mask, boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
     get no gradient; mask_mod and block_mask as forward's). Returns the output only (the
-    log-sum-exp is kept for the backward)."""
+    log-sum-exp is kept for the backward). Without a mask_mod it calls the torch.library op
+    numba_flash::forward (torch_ops.py), which torch.compile traces without a graph break."""
+    if mask_mod is None and block_mask is None:  # the torch.library op (torch.compile)
+        left, right = spec.check_window_size(window_size)  # (the options' checks, uncached:
+        causal = spec.check_causal(causal) or right == 0  # dynamo traces them)
+        scale = spec.resolve_softmax_scale(softmax_scale, q.shape[-1])
+        return torch_ops.forward(q, k, v, causal, scale, left, 0 if causal else right,
+                                 spec.check_softcap(softcap), alibi_slopes, attn_mask,
+                                 backend)[0]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
                    mask_mod=mask_mod, block_mask=block_mask, backend=backend)

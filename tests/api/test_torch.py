@@ -224,3 +224,49 @@ def test_mask_mod_gradients_match_torch_math_attention_with_its_mask(rng, mode):
     #                                                                        itself at least)
     ref, leaves = _torch_reference(q, k, v, False, None, attn_mask=mask)
     _assert_like_reference(out, (q.grad, k.grad, v.grad), ref, leaves, weight)
+
+
+def test_the_torch_library_ops_pass_opcheck(rng):
+    """numba_flash::forward and ::backward: schema, fake (meta) shapes, autograd registration
+    and dispatch as torch.library.opcheck tests them (the numpy backend: the registration is
+    the same for every backend)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.randn(1, n, 4, 8, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
+    k, v = k[:, :, :2], v[:, :, :2]  # (GQA)
+    options = (True, 0.35, 3, 0, 2.0, None, None, "numpy")
+    torch.library.opcheck(torch.ops.numba_flash.forward.default, (q, k, v, *options))
+    out, lse = torch.ops.numba_flash.forward(q, k, v, *options)
+    assert out.shape == q.shape and lse.shape == (1, 4, 5) and lse.dtype == torch.float32
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.numba_flash.backward.default,
+                          (dout, q, k, v, out, lse, *options))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_compile_traces_a_model_in_one_graph(rng, mode):
+    """A model calling numba_flash.torch.attention compiles with fullgraph=True (no graph
+    break: the call is the numba_flash::forward op) and gives eager's output and gradients
+    (under the simulator through the numpy backend: the op is the same for every backend,
+    and the other tests here run the kernels through it)."""
+    device = "cuda" if mode == "gpu" else "cpu"
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    (batch, seqlen, width), heads = ((1, 6, 16), 2) if mode == "simulator" else ((2, 500, 256), 4)
+    backend, dtype = ("numpy", torch.float64) if mode == "simulator" else ("numba", torch.float32)
+    proj = torch.nn.Linear(width, 3 * width, dtype=dtype).to(device)
+    x = torch.randn(batch, seqlen, width, generator=gen, dtype=dtype).to(device)
+
+    def model(x):
+        q, k, v = proj(x).unflatten(-1, (3, heads, width // heads)).unbind(2)
+        return numba_flash.torch.attention(q, k, v, causal=True, softcap=5.0,
+                                           backend=backend).sum(dim=(2, 3))
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    got.pow(2).sum().backward()
+    compiled_grads = [p.grad.clone() for p in proj.parameters()]
+    proj.zero_grad()
+    want = model(x)
+    want.pow(2).sum().backward()
+    assert float((got - want).detach().abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
+    for got_grad, param in zip(compiled_grads, proj.parameters()):
+        assert torch.equal(got_grad, param.grad)  # (the same kernels on the same inputs)
