@@ -8,6 +8,7 @@ loaded the first time they are used.
 """
 from numba_flash.api import attention, backward, backward_varlen, forward, forward_varlen
 from numba_flash.block_mask import BlockMask, block_mask
+from numba_flash.merge import merge
 from numba_flash.registry import (
     available_backends,
     get_backend,
@@ -26,6 +27,7 @@ __all__ = [
     "backward_varlen",
     "block_mask",
     "BlockMask",
+    "merge",
     "list_backends",
     "available_backends",
     "get_backend",
