@@ -20,8 +20,8 @@ from numba_flash.spec import NO_WINDOW
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """autograd wrapper of numba_flash.forward / numba_flash.backward, for the calls with a
-    mask_mod (which the torch.library ops of numba_flash/torch_ops.py cannot take)."""
+    """autograd wrapper of numba_flash.forward / numba_flash.backward: eager calls, and calls
+    with a mask_mod (which the torch.library ops of numba_flash/torch_ops.py cannot take)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
@@ -43,9 +43,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     arguments (k and v may have fewer heads than q: GQA; alibi_slopes, a float32 tensor, and
     attn_mask, boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k),
     get no gradient; mask_mod and block_mask as forward's). Returns the output only (the
-    log-sum-exp is kept for the backward). Without a mask_mod it calls the torch.library op
-    numba_flash::forward (torch_ops.py), which torch.compile traces without a graph break."""
-    if mask_mod is None and block_mask is None:  # the torch.library op (torch.compile)
+    log-sum-exp is kept for the backward). Under torch.compile, without a mask_mod, it calls
+    the torch.library op numba_flash::forward (torch_ops.py), traced without a graph break."""
+    if mask_mod is None and block_mask is None and torch.compiler.is_compiling():
+        # (the torch.library op under torch.compile; in eager mode the autograd Function below,
+        # whose dispatch costs ~14 µs a call where the op's costs ~110 µs)
         left, right = spec.check_window_size(window_size)  # (the options' checks, uncached:
         causal = spec.check_causal(causal) or right == 0  # dynamo traces them)
         scale = spec.resolve_softmax_scale(softmax_scale, q.shape[-1])
