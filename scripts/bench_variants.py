@@ -18,6 +18,7 @@ causal MHA row and the share of causal MHA's visible pairs it has. Timing as
 scripts/bench.py (CUDA events, median, the implementations of a row taking turns).
 
     python scripts/bench_variants.py [--seqlen 16384] [--passes fwd fwdbwd] [--warm-only] [--flex]
+                                    [--rows WORD...]
 """
 import argparse
 import json
@@ -230,6 +231,8 @@ def main(argv=None):
                         help="time torch FlexAttention (torch.compile'd) beside every row")
     parser.add_argument("--warm-only", action="store_true",
                         help="one call of each row (compiles the kernels), nothing timed")
+    parser.add_argument("--rows", nargs="+", metavar="WORD",
+                        help="only the rows whose name holds one of these (and the reference row)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     reason = harness.gpu_ready()
@@ -248,7 +251,9 @@ def main(argv=None):
           f"visible pairs")
     for passes in args.passes:
         reference_ms = reference_pairs = None
-        for name, kv_heads, options, peers in rows(args):
+        for index, (name, kv_heads, options, peers) in enumerate(rows(args)):
+            if index and args.rows and not any(word in name for word in args.rows):
+                continue
             inputs = []
             row_batch, row_seqlen = options.get("shape", (batch, args.seqlen))
             for _ in range(1 if args.warm_only else 2):

@@ -3,7 +3,7 @@
     python scripts/reliability.py sanitize   # every kernel at odd sizes (run it under
                                              #   compute-sanitizer --tool memcheck / racecheck)
     python scripts/reliability.py sanitize-variants  # the same for GQA, window, softcap, ALiBi,
-                                                     #   varlen, attention masks
+                                                     #   varlen, attention masks, mask_mod
     python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
@@ -68,7 +68,8 @@ def sanitize(numba_flash, cp, torch):
 def sanitize_variants(numba_flash, cp, torch, masks_only=False):
     """The variants' kernels at odd sizes, every engine: GQA with a window, softcap and ALiBi
     at once, varlen (sequences without queries or keys among them), and attention masks (a
-    boolean key padding mask, a float mask per head broadcast over the batch), each call twice
+    boolean key padding mask, a float mask per head broadcast over the batch, a document
+    mask_mod over a device array, alone and through a block mask), each call twice
     (the second a replay); with masks_only, the masked calls alone."""
     rng = np.random.default_rng(1)
     lengths = [(37, 20), (0, 9), (70, 81), (5, 0)]
@@ -96,7 +97,15 @@ def sanitize_variants(numba_flash, cp, torch, masks_only=False):
                 padding, bias = torch.from_dlpack(padding), torch.from_dlpack(bias)
             elif dtype == "float16":
                 bias = bias.astype(cp.float16)
-            masks = [dict(attn_mask=padding, causal=True), dict(attn_mask=bias, softcap=5.0)]
+            documents = cp.asarray(np.arange(61) // 17, cp.int32)  # (keys 0-16, 17-33, ...)
+
+            def same_document(b, h, q_idx, kv_idx):
+                return documents[q_idx + 16] == documents[kv_idx] and kv_idx <= q_idx + 16 + b
+
+            masks = [dict(attn_mask=padding, causal=True), dict(attn_mask=bias, softcap=5.0),
+                     dict(mask_mod=same_document, softcap=5.0),
+                     dict(block_mask=numba_flash.block_mask(same_document, 2, None, 45, 61),
+                          causal=True)]
             for _ in range(2):
                 for mask in masks:
                     out, lse = numba_flash.forward(q, k, v, backend=backend, **mask)

@@ -270,3 +270,36 @@ def test_torch_compile_traces_a_model_in_one_graph(rng, mode):
     assert float((got - want).detach().abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
     for got_grad, param in zip(compiled_grads, proj.parameters()):
         assert torch.equal(got_grad, param.grad)  # (the same kernels on the same inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_options", [dict(backend="cudagraphs"),
+                                             dict(mode="reduce-overhead")],
+                         ids=["cudagraphs", "inductor-reduce-overhead"])
+def test_cuda_graph_replays_give_eager_results(rng, compile_options):
+    """Compiled with CUDA graphs, the op's launches are captured on torch's stream into
+    torch's graph pool: each replay on fresh inputs gives eager's output and gradients."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    proj = torch.nn.Linear(256, 3 * 256, dtype=torch.float32).cuda()
+
+    def model(x):
+        q, k, v = proj(x).unflatten(-1, (3, 4, 64)).unbind(2)
+        return numba_flash.torch.attention(q, k, v, causal=True, softcap=5.0,
+                                           backend="numba").sum(dim=(2, 3))
+
+    compiled = torch.compile(model, fullgraph=True, **compile_options)
+    for _ in range(4):  # (warm-up, capture, replays)
+        x = torch.randn(2, 300, 256, generator=gen).cuda()
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(x)
+        got.pow(2).sum().backward()
+        got = got.detach().clone()
+        compiled_grads = [p.grad.clone() for p in proj.parameters()]
+        proj.zero_grad()
+        want = model(x)
+        want.pow(2).sum().backward()
+        assert float((got - want).detach().abs().max()) < 1e-5 * float(want.abs().max())
+        for got_grad, param in zip(compiled_grads, proj.parameters()):
+            err = float((got_grad - param.grad).abs().max())
+            assert err < 1e-4 * float(param.grad.abs().max()), err
+        proj.zero_grad()
