@@ -4,7 +4,8 @@ import numpy as np
 
 from . import _arrays
 from .extras import host_values
-from .spec import check_group
+from .mask_mod import lower
+from .spec import check_group, check_mask_mod
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -99,9 +100,12 @@ def check_extras(spec, q, k, v, extras):
         check_attn_mask(extras.attn_mask, spec, (batch, int(q.shape[-2]), int(q.shape[-3]),
                                                  int(k.shape[-3])))
     if extras.block_mask is not None:
-        extras.block_mask.check_call(spec.mask_mod, batch, int(q.shape[-2]), int(q.shape[-3]),
+        extras.block_mask.check_call(batch, int(q.shape[-2]), int(q.shape[-3]),
                                      int(k.shape[-3]))
     named = {"q": q, **{name: x for name, x in zip(extras._fields[:4], extras) if x is not None}}
+    if extras.mask_mod_arrays:
+        named.update((f"mask_mod's captured {name!r}", x)
+                     for name, x in zip(spec.mask_mod.captured, extras.mask_mod_arrays))
     if len(named) > 1:
         check_same_place(named)
     return batch
@@ -155,6 +159,17 @@ def mask_dtype(attn_mask):
         raise TypeError(f"attn_mask must be boolean (True: the query sees the key) or floating "
                         f"(added to the scores); got {dtype}")
     return dtype
+
+
+def lowered_mask_mod(mask_mod, block_mask=None, varlen=False):
+    """(MaskModProgram, its captured arrays) of the call's mask_mod (mask_mod_of's), checked;
+    (None, ()) without one."""
+    program, captured = lower(check_mask_mod(mask_mod_of(mask_mod, block_mask, varlen)))
+    for name, x in zip(program.captured if program else (), captured):
+        if _arrays.dtype_name(x) == "bfloat16":
+            raise TypeError(f"mask_mod {program.name!r} captures {name!r}, a bfloat16 array, "
+                            f"which the kernels cannot index: capture it as float32")
+    return program, captured
 
 
 def mask_mod_of(mask_mod, block_mask, varlen=False):

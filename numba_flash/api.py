@@ -45,10 +45,12 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
         mask_mod: a Python function mask_mod(b, h, q_idx, kv_idx) -> bool (FlexAttention's):
             query q_idx of batch entry b and head h sees key kv_idx only where it returns True
             (besides causal, window and attn_mask). The Numba backend compiles it into its
-            kernels (it may read arrays it captures: device arrays by address, NumPy arrays
-            as constants of the kernel) and classifies the key tiles first, skipping those
-            no query sees; the other backends evaluate it on index arrays (or one index at a
-            time). Define it once and reuse it: a new function compiles new kernels.
+            kernels and classifies the key tiles first, skipping those no query sees; the
+            other backends evaluate it on index arrays (or one index at a time). Arrays it
+            captures (closure variables or globals; on the call's device) are read as they
+            are at each call, as kernel arguments: a new closure of the same code over new
+            arrays compiles nothing (numba_flash/mask_mod.py); new code, or a change in
+            another captured value (a number), compiles new kernels (tens of seconds).
         block_mask: numba_flash.block_mask(mask_mod, ...), the tile classification kept for
             reuse across calls (mask_mod may then be left out).
         backend: a registered name (see list_backends()) or "auto".
@@ -58,11 +60,12 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
         (batch, nheads, seqlen_q) with lse[b, h, i] = log(sum_j exp(score_ij)) over the keys
         query i sees, score_ij = softmax_scale · q_i · k_j (softcapped, with ALiBi, if asked).
     """
+    program, captured = _checks.lowered_mask_mod(mask_mod, block_mask)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     attn_mask=_checks.mask_dtype(attn_mask),
-                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask))
-    return _forward(spec, _extras(alibi_slopes, attn_mask, block_mask), backend, q, k, v)
+                     attn_mask=_checks.mask_dtype(attn_mask), mask_mod=program)
+    return _forward(spec, _extras(alibi_slopes, attn_mask, block_mask, captured), backend, q, k,
+                    v)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
@@ -77,12 +80,12 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, windo
     group's query heads, without atomics: deterministic). Rows that saw no key get zero
     gradients; the mask gets none.
     """
+    program, captured = _checks.lowered_mask_mod(mask_mod, block_mask)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     attn_mask=_checks.mask_dtype(attn_mask),
-                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask))
-    return _backward(spec, _extras(alibi_slopes, attn_mask, block_mask), backend, dout, q, k, v,
-                     out, lse)
+                     attn_mask=_checks.mask_dtype(attn_mask), mask_mod=program)
+    return _backward(spec, _extras(alibi_slopes, attn_mask, block_mask, captured), backend, dout,
+                     q, k, v, out, lse)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
@@ -93,11 +96,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
                    mask_mod=mask_mod, block_mask=block_mask, backend=backend)[0]
 
 
-def _extras(alibi_slopes, attn_mask, block_mask):
+def _extras(alibi_slopes, attn_mask, block_mask, mask_mod_arrays):
     """A dense call's arrays besides q, k, v (and its block mask)."""
-    if alibi_slopes is None and attn_mask is None and block_mask is None:
+    if (alibi_slopes is None and attn_mask is None and block_mask is None
+            and not mask_mod_arrays):
         return NO_EXTRAS
-    return Extras(alibi_slopes=alibi_slopes, attn_mask=attn_mask, block_mask=block_mask)
+    return Extras(alibi_slopes=alibi_slopes, attn_mask=attn_mask, block_mask=block_mask,
+                  mask_mod_arrays=mask_mod_arrays)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -117,10 +122,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     Returns (out, lse): out like q; lse float32 (nheads, total_q). The cu_seqlens are checked
     on every call (their values are read: one small copy from the GPU).
     """
+    program, captured = _checks.lowered_mask_mod(mask_mod, varlen=True)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=mask_mod)
-    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=program)
+    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k, mask_mod_arrays=captured)
     _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_extras(spec, q, k, v, extras)
     return _forward(spec, extras, backend, q, k, v)
@@ -131,10 +137,11 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                     softcap=0.0, alibi_slopes=None, mask_mod=None, backend="auto"):
     """Gradients (dq, dk, dv) of forward_varlen's output, given dout (q's shape); out and
     lse (nheads, total_q) are what forward_varlen returned for the same arguments."""
+    program, captured = _checks.lowered_mask_mod(mask_mod, varlen=True)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
-                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=mask_mod)
-    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                     max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=program)
+    extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k, mask_mod_arrays=captured)
     _checks.check_backward_args(dout, q, k, v, out, lse, varlen=True)
     _checks.check_extras(spec, q, k, v, extras)
     return _backward(spec, extras, backend, dout, q, k, v, out, lse)

@@ -14,8 +14,9 @@ The classification is built on first use for each tile shape a kernel runs (the 
 the two backward kernels may differ) on the call's GPU, by the Numba backend, and reused
 after; the other backends evaluate mask_mod densely and ignore it. batch or nheads None: the
 mask does not depend on b (or h); the classification for b = 0 (h = 0) serves them all.
-A BlockMask records mask_mod as it is: a function that captures an array sees the values
-the classification saw, so changing them means building a new BlockMask.
+The classification is of the values mask_mod's captured arrays had when it was made: new
+values (the next batch's document ids) need a new BlockMask, whose kernels are the ones
+already compiled (the arrays are arguments of the kernels: numba_flash/mask_mod.py).
 """
 import numbers
 import threading
@@ -42,11 +43,9 @@ class BlockMask:
                 self._tables[key] = build()
             return self._tables[key]
 
-    def check_call(self, mask_mod, batch, nheads, seqlen_q, seqlen_k):
-        """ValueError unless this block mask was built for this call's mask_mod and sizes."""
-        if mask_mod is not self.mask_mod:
-            raise ValueError(f"block_mask was built for mask_mod {self.mask_mod.__name__!r}, "
-                             f"not for the call's {mask_mod.__name__!r}")
+    def check_call(self, batch, nheads, seqlen_q, seqlen_k):
+        """ValueError unless this block mask was built for this call's sizes (its mask_mod is
+        the call's: _checks.mask_mod_of)."""
         for name, built, called in (("batch", self.batch, batch), ("nheads", self.nheads, nheads),
                                     ("seqlen_q", self.seqlen_q, seqlen_q),
                                     ("seqlen_k", self.seqlen_k, seqlen_k)):

@@ -1,11 +1,11 @@
 """The arrays of a call besides q, k, v (and dout, out, lse): ALiBi's slopes, varlen's
 cumulative sequence lengths and the attention mask (their checks are numba_flash._checks'),
-and a mask_mod's block mask.
+and a mask_mod's block mask and captured arrays.
 
 The spec says whether a call has them (spec.alibi, spec.varlen, spec.attn_mask); their values
 travel beside the spec as one `Extras`, which every backend's forward and backward take. Their
-values are read by the kernels, never compiled in: new slopes, sequence lengths or mask values
-compile nothing.
+values are read by the kernels, never compiled in: new slopes, sequence lengths, mask values
+or arrays a mask_mod captures compile nothing.
 """
 from typing import NamedTuple
 
@@ -18,13 +18,16 @@ class Extras(NamedTuple):
     """alibi_slopes: float32 (nheads,) or (batch, nheads), or None. cu_seqlens_q,
     cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None.
     attn_mask: boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or
-    None. block_mask: the numba_flash.block_mask.BlockMask of a call with mask_mod, or None
-    (not an array: calls with a mask_mod are not replayed)."""
+    None. block_mask: the numba_flash.block_mask.BlockMask of a call with mask_mod, or None;
+    mask_mod_arrays: the arrays the call's mask_mod captures, in its MaskModProgram's
+    parameter order (numba_flash.mask_mod; these two are not replayed, nor are calls with a
+    mask_mod)."""
     alibi_slopes: object = None
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
     attn_mask: object = None
     block_mask: object = None
+    mask_mod_arrays: tuple = ()
 
     def arrays(self):
         """The arrays present, in field order (what a call's signature and replay take)."""
@@ -35,7 +38,8 @@ class Extras(NamedTuple):
     def with_arrays(self, arrays):
         """The same fields filled from `arrays` (as arrays() returned them) in order."""
         values = iter(arrays)
-        return Extras(*(None if x is None else next(values) for x in self[:4]), self.block_mask)
+        return Extras(*(None if x is None else next(values) for x in self[:4]), self.block_mask,
+                      self.mask_mod_arrays)
 
 
 NO_EXTRAS = Extras()

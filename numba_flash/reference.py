@@ -97,7 +97,7 @@ def biased_and_masked(xp, s, spec, extras, dtype):
         given = _mask_4d(xp, extras.attn_mask)
         mask = given if mask is None else mask & given
     if spec.mask_mod is not None:
-        given = mask_mod_grid(xp, spec.mask_mod, *s.shape)
+        given = mask_mod_grid(xp, _bound(xp, spec.mask_mod, extras.mask_mod_arrays), *s.shape)
         mask = given if mask is None else mask & given
     if mask is None:
         return s
@@ -136,11 +136,23 @@ def _boolean(value):
     return value
 
 
-def at_sequence(mask_mod, b):
-    """mask_mod of varlen's sequence b, as a dense call on that sequence alone sees it."""
-    def sequence_mask_mod(_, h, q_idx, kv_idx):
-        return mask_mod(b, h, q_idx, kv_idx)
-    return sequence_mask_mod
+def _bound(xp, program, captured):
+    """mask_mod(b, h, q_idx, kv_idx) of a MaskModProgram (numba_flash/mask_mod.py) reading
+    its captured arrays as xp arrays."""
+    from numba_flash.extras import host_values
+    captured = [host_values(x) if xp.__name__ == "numpy" else xp.asarray(x) for x in captured]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return program.function(b, h, q_idx, kv_idx, *captured)
+    return mask_mod
+
+
+def at_sequence(program, b):
+    """The MaskModProgram of varlen's sequence b, as a dense call on that sequence alone
+    sees it."""
+    def sequence_mask_mod(_, h, q_idx, kv_idx, *captured):
+        return program.function(b, h, q_idx, kv_idx, *captured)
+    return program._replace(function=sequence_mask_mod)
 
 
 def _mask_4d(xp, attn_mask):

@@ -90,7 +90,7 @@ def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, attn_mask=None, 
     softcap, alibi_slopes, attn_mask, mask_mod, block_mask), and why each backend tried before
     it was skipped."""
     spec = make_spec(q, k, alibi=alibi_slopes is not None, attn_mask=_checks.mask_dtype(attn_mask),
-                     mask_mod=_checks.mask_mod_of(mask_mod, block_mask), **options)
+                     mask_mod=_checks.lowered_mask_mod(mask_mod, block_mask)[0], **options)
     return _select(backend, spec, q, k, v)
 
 

@@ -17,6 +17,7 @@ import math
 import numbers
 
 from numba_flash import _arrays
+from numba_flash.mask_mod import MaskModProgram, lower
 
 # The kernels scale in float32 with log2(e) folded in: a scale that rounds to 0 or to inf there
 # would turn masked scores (-inf) into NaN.
@@ -50,7 +51,9 @@ class AttentionSpec:
     mask_mod: None, or a Python function mask_mod(b, h, q_idx, kv_idx) -> bool
         (FlexAttention's signature): query q_idx of batch entry b (varlen: sequence b, indices
         within it) and query head h sees key kv_idx only where it returns True. It is
-        compiled into the kernels, so the spec holds the function itself (hashed by identity).
+        compiled into the kernels, so the spec holds it as numba_flash.mask_mod's
+        MaskModProgram (a function given is lowered to one): its code with the arrays it
+        captures as parameters, whose values travel in the call's Extras.
     """
 
     head_dim: int
@@ -69,6 +72,8 @@ class AttentionSpec:
     mask_mod: object = None
 
     def __post_init__(self):
+        if self.mask_mod is not None and not isinstance(self.mask_mod, MaskModProgram):
+            object.__setattr__(self, "mask_mod", lower(check_mask_mod(self.mask_mod))[0])
         if self.causal or self.window_right == 0:  # one spec for one meaning
             object.__setattr__(self, "causal", True)
             object.__setattr__(self, "window_right", 0)
@@ -174,9 +179,9 @@ def resolve_softmax_scale(softmax_scale, head_dim):
 
 
 def check_mask_mod(mask_mod):
-    """None, or a function that takes (b, h, q_idx, kv_idx)."""
-    if mask_mod is None:
-        return None
+    """None, or a function that takes (b, h, q_idx, kv_idx) (or its MaskModProgram)."""
+    if mask_mod is None or isinstance(mask_mod, MaskModProgram):
+        return mask_mod
     message = ("mask_mod must be a Python function mask_mod(b, h, q_idx, kv_idx) -> bool (or "
                "None)")
     if not inspect.isfunction(mask_mod):  # (what Numba compiles: no partials, no methods)
@@ -242,9 +247,10 @@ def make_spec(q, k=None, *, causal=False, softmax_scale=None, window_size=NO_WIN
     """The spec of a call on q and k (any arrays the API takes; k for its number of heads,
     GQA) with these options (alibi: whether ALiBi slopes come with the call; max_seqlens:
     varlen's (max_seqlen_q, max_seqlen_k), q and k then (total, nheads, headdim); attn_mask:
-    the dtype name of the call's mask, _checks.mask_dtype's; mask_mod: the function); TypeError
-    or ValueError naming the option that is wrong. The arrays' own checks (rank, dtype,
-    shapes) are numba_flash._checks'; a q without a head dim gets its error there."""
+    the dtype name of the call's mask, _checks.mask_dtype's; mask_mod: the function or its
+    MaskModProgram); TypeError or ValueError naming the option that is wrong. The arrays' own
+    checks (rank, dtype, shapes) are numba_flash._checks'; a q without a head dim gets its
+    error there."""
     rank = 3 if max_seqlens is not None else 4  # (the API's arrays: head dim and heads)
     shape = getattr(q, "shape", None)
     if shape is not None and len(shape) == rank:

@@ -87,7 +87,7 @@ def ptxas_report(ptxas, ptx, cc):
             "shared_bytes": number(r"(\d+) bytes smem")}
 
 
-_DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), 512)  # (a NumPy array: kernel constants)
+_DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), 512)  # (a kernel argument: mask_mod.py)
 
 
 def document_mask(b, h, q_idx, kv_idx):
@@ -105,21 +105,23 @@ MASK_MODDED = dict(causal=True, softcap=30.0, group=4, mask_mod=document_mask)
 
 
 def _specs(head_dim, dtype, variants):
-    """(tag word, spec, the signature of the kernels' last six arguments): full and
+    """(tag word, spec, the signature of the kernels' last seven arguments): full and
     causal, or with variants all of them at once ("variants"), all but varlen with a
     floating mask of q's dtype ("masked") and a mask_mod's spec ("mask_mod")."""
     f3 = "float32[:, :, :]"
     if variants:
         yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
-               f", float32[:, :], int32[::1], int32[::1], {f3}, {f3}, {f3}")
+               f", float32[:, :], int32[::1], int32[::1], {f3}, {f3}, {f3}, Tuple(())")
         mask = "uint16" if dtype == "bfloat16" else dtype  # (bfloat16 masks: their bits)
         yield ("masked", AttentionSpec(head_dim=head_dim, dtype=dtype, attn_mask=dtype,
                                        **MASKED),
-               f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :], {f3}, {f3}")
+               f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :], {f3}, {f3}, Tuple(())")
         yield ("mask_mod", AttentionSpec(head_dim=head_dim, dtype=dtype, **MASK_MODDED),
-               f"{f', {f3}' * 4}, int8[:, :, :, :], int32[:, :, :, :]")
+               f"{f', {f3}' * 4}, int8[:, :, :, :], int32[:, :, :, :], "
+               f"UniTuple(int32[::1], 1)")  # (_DOCUMENTS)
         return
-    unused = f", {f3}" * 6  # (the lse array: launch.kernel_extras_unused, tile_arguments)
+    unused = f"{f', {f3}' * 6}, Tuple(())"  # (the lse array and no captured arrays:
+    #                                          launch.kernel_extras_unused, tile_arguments)
     yield "full", AttentionSpec(head_dim=head_dim, dtype=dtype), unused
     yield "causal", AttentionSpec(head_dim=head_dim, dtype=dtype, causal=True), unused
 
@@ -210,7 +212,7 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                     c4, c3 = "uint16[:, :, :, ::1]", "float32[:, :, ::1]"
                     yield (f"mma_contiguous_bwd_dk_dv_{tag}", mma_dk_dv_kernel_function(bwd, spec),
                            f"({c4}, {c4}, {c4}, {c4}, {c3}, {c3}, {c4}, {c4}, float32, float32"
-                           f"{', float32[:, :, ::1]' * 6})", dk_dv_bytes)
+                           f"{', float32[:, :, ::1]' * 6}, Tuple(()))", dk_dv_bytes)
 
 
 def main(argv=None):

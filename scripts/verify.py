@@ -151,6 +151,7 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     seqlen_k) mask of the dtype with some -inf; mask_mod: "document", _mask_mod's) for the
     variants."""
     from numba_flash.extras import NO_EXTRAS, Extras
+    from numba_flash.mask_mod import lower
     from numba_flash.reference import attention_backward, attention_forward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward, plain16_forward, round16
@@ -164,8 +165,9 @@ def verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_he
     mask = _mask(xp, rng, mask_kind, shape, dtype)
     if "mask_mod" in options:
         options["mask_mod"] = _mask_mod(xp, rng, options["mask_mod"], max(seqlen_q, seqlen_k))
-    extras = (Extras(slopes if alibi else None, attn_mask=mask) if alibi or mask is not None
-              else NO_EXTRAS)
+    captured = lower(options.get("mask_mod"))[1]  # (its arrays: numba_flash/mask_mod.py)
+    extras = (Extras(slopes if alibi else None, attn_mask=mask, mask_mod_arrays=captured)
+              if alibi or mask is not None or captured else NO_EXTRAS)
     mask_dtype = None if mask is None else "bool" if mask_kind == "padding" else dtype
     values = list(harness.random_inputs(xp, rng, *shape, "float32" if bf16 else dtype))
     values[1:3] = [xp.ascontiguousarray(x[:, :, :kv_heads]) for x in values[1:3]]

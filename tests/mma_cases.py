@@ -9,6 +9,7 @@ import numpy as np
 from error_rule import assert_within_rule
 
 from numba_flash.extras import NO_EXTRAS, Extras
+from numba_flash.mask_mod import lower
 
 from numba_flash.backends.numba.mma.bwd import launch_mma_backward
 from numba_flash.backends.numba.mma.fwd import launch_mma_forward
@@ -50,7 +51,7 @@ class Layout:
     sequences packed into a batch of one. draw(n_side, nheads) gives the kernels' arrays;
     ref(x) the references' view of one (varlen: the packed array without its batch axis)."""
 
-    def __init__(self, rng, spec, shape, lengths=None):
+    def __init__(self, rng, spec, shape, lengths=None, mask_mod=None):
         batch, seqlen_q, seqlen_k, nheads, head_dim = shape
         self.rng, self.head_dim, self.varlen = rng, head_dim, lengths is not None
         if self.varlen:
@@ -64,7 +65,9 @@ class Layout:
         slopes = (rng.uniform(0.05, 1.0, (sequences, nheads) if self.varlen else nheads)
                   .astype(np.float32) if spec.alibi else None)
         mask, self.mask_bits = self._mask(rng, spec.attn_mask, (batch, nheads) + self.rows)
-        self.extras = (Extras(slopes, *cu, mask) if spec.alibi or self.varlen or mask is not None
+        captured = lower(mask_mod)[1]  # (the arrays spec.mask_mod takes: mask_mod.py)
+        self.extras = (Extras(slopes, *cu, mask, mask_mod_arrays=captured)
+                       if spec.alibi or self.varlen or mask is not None or captured
                        else NO_EXTRAS)
         self.lse_shape = (self.batch, nheads, self.rows[0])
 
@@ -114,7 +117,7 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, 
     rule against float64, lse against float64 (the same rows -inf, the others within 1e-4)."""
     nheads = shape[3]
     spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
-    case = Layout(rng, spec, shape, lengths)
+    case = Layout(rng, spec, shape, lengths, options.get("mask_mod"))
     (qb, q), (kb, k), (vb, v) = (encode(case.draw(side, h), dtype) for side, h in
                                  ((0, nheads), (1, kv_heads), (1, kv_heads)))
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
@@ -139,7 +142,7 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     gradient checked by the rule against float64."""
     nheads = shape[3]
     spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
-    case = Layout(rng, spec, shape, lengths)
+    case = Layout(rng, spec, shape, lengths, options.get("mask_mod"))
     sides = ((0, nheads), (1, kv_heads), (1, kv_heads), (0, nheads))
     (qb, q), (kb, k), (vb, v), (dob, do) = (encode(case.draw(side, h), dtype)
                                             for side, h in sides)

@@ -116,7 +116,7 @@ class NumbaBackend(Backend):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)
         if spec.mask_mod is not None:
-            check_mask_mod(spec.mask_mod)
+            check_mask_mod(spec.mask_mod, extras.mask_mod_arrays)
         nheads, seqlen_q = int(q.shape[-2]), int(q.shape[-3])
         lse_shape = (nheads, seqlen_q) if spec.varlen else (int(q.shape[0]), nheads, seqlen_q)
         with self._on_device(q):
@@ -131,7 +131,7 @@ class NumbaBackend(Backend):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)
         if spec.mask_mod is not None:
-            check_mask_mod(spec.mask_mod)
+            check_mask_mod(spec.mask_mod, extras.mask_mod_arrays)
         with self._on_device(q):
             grads = [self._new(q, tuple(int(s) for s in x.shape), spec.dtype) for x in (q, k, v)]
             dout, q, k, v, out, lse = _batched(spec, (dout, q, k, v, out, lse))

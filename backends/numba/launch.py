@@ -127,9 +127,12 @@ def _array_signature(dtype, shape, strides):
 
 
 def _launch_arg(arg):
-    """A float32 scalar as it is, any other argument as its DeviceView."""
+    """A float32 scalar as it is, a tuple as a tuple of its items', any other argument as
+    its DeviceView."""
     if isinstance(arg, np.float32):
         return arg
+    if isinstance(arg, tuple):
+        return tuple(map(_launch_arg, arg))
     if isinstance(arg, (np.generic, int, float)):
         raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
                         f"{type(arg).__name__}")
@@ -137,14 +140,33 @@ def _launch_arg(arg):
 
 
 def _argument(arg):
-    """(Numba type, kernel parameters) of one argument: a DeviceView or a float32 scalar."""
+    """(Numba type, kernel parameters, the parameters' indices that hold array addresses) of
+    one argument: a DeviceView, a float32 scalar or a tuple of them (which Numba's kernel ABI
+    passes as its items' parameters one after another; an empty one as none)."""
+    from numba import types
     arg = _launch_arg(arg)
     if isinstance(arg, np.float32):
-        from numba import types
-        return types.float32, (ctypes.c_float(arg),)
+        return types.float32, (ctypes.c_float(arg),), ()
+    if isinstance(arg, tuple):
+        argtypes, parameters, pointer_slots = [], [], []
+        for item in arg:
+            argtype, values, slots = _argument(item)
+            pointer_slots.extend(len(parameters) + slot for slot in slots)
+            argtypes.append(argtype)
+            parameters.extend(values)
+        return types.BaseTuple.from_types(argtypes), tuple(parameters), tuple(pointer_slots)
     argtype, sizes, shape_strides = _array_signature(arg.dtype, arg.shape, arg.strides)
     # meminfo, parent, nitems, itemsize, data, shape, strides (ARRAY_FIELDS)
-    return argtype, (0, 0, *sizes, arg.ptr, *shape_strides)
+    return argtype, (0, 0, *sizes, arg.ptr, *shape_strides), (ARRAY_FIELDS.index("data"),)
+
+
+def _pointers(args):
+    """The arrays' addresses among launch arguments (tuples' items included), in order."""
+    for arg in args:
+        if isinstance(arg, tuple):
+            yield from _pointers(arg)
+        elif not isinstance(arg, np.float32):
+            yield arg.ptr
 
 
 def current_device():
@@ -259,6 +281,8 @@ def _signature(arg):
     """What of an argument a prepared launch fixes: all but an array's address."""
     if isinstance(arg, np.float32):
         return float(arg)
+    if isinstance(arg, tuple):
+        return tuple(map(_signature, arg))
     return (arg.dtype, arg.shape, arg.strides)
 
 
@@ -272,9 +296,8 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
         return prepared
     argtypes, parameters, pointer_slots = [], [], []
     for arg in args:
-        argtype, values = _argument(arg)
-        if not isinstance(arg, np.float32):
-            pointer_slots.append(len(parameters) + ARRAY_FIELDS.index("data"))
+        argtype, values, slots = _argument(arg)
+        pointer_slots.extend(len(parameters) + slot for slot in slots)
         argtypes.append(argtype)
         parameters.extend(values)
     argtypes = tuple(argtypes)
@@ -314,9 +337,9 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
     simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
-    and float32 scalars. NumPy arrays are copied to the GPU and back around the launch, as
-    Numba does (the kernel tests use that; it synchronises). Inside `replay.recording()`
-    the launch is noted for a replay."""
+    and float32 scalars, or tuples of them. NumPy arrays are copied to the GPU and back around
+    the launch, as Numba does (the kernel tests use that; it synchronises). Inside
+    `replay.recording()` the launch is noted for a replay."""
     from numba import config
     if config.ENABLE_CUDASIM:
         kernel[grid, block, stream, shared_bytes](*args)
@@ -336,6 +359,6 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
         from numba import cuda
         device = cuda.get_current_device().id
     prepared = prepare(kernel, grid, block, shared_bytes, args, device)
-    pointers = [arg.ptr for arg in args if not isinstance(arg, np.float32)]
+    pointers = list(_pointers(args))
     prepared(0 if stream is None else int(stream), pointers)  # (a Numba stream gives its handle)
     replay.note_launch(prepared, pointers)

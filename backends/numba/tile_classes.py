@@ -35,7 +35,7 @@ def _classify_kernel(spec, block_m, block_n, threads):
     mod_allows = make_mask_mod_reader(spec)
     varlen = spec.varlen
 
-    def classify(classes, sizes, cu_seqlens_q, cu_seqlens_k):
+    def classify(classes, sizes, cu_seqlens_q, cu_seqlens_k, mod_arrays):
         nheads = classes.shape[1]
         b, h = cuda.blockIdx.z // nheads, cuda.blockIdx.z % nheads
         seqlen_q, seqlen_k = sizes[0], sizes[1]
@@ -49,7 +49,8 @@ def _classify_kernel(spec, block_m, block_n, threads):
             for e in range(cuda.threadIdx.x, block_m * block_n, threads):
                 row, col = m0 + e // block_n, n0 + e % block_n
                 if row < seqlen_q and col < seqlen_k:
-                    seen = mod_allows((classes, b, h), row, col, seqlen_q, seqlen_k)
+                    seen = mod_allows((classes, b, h, mod_arrays), row, col, seqlen_q,
+                                      seqlen_k)
                     some = some or seen
                     every = every and seen
             some = cuda.syncthreads_or(1 if some else 0) != 0
@@ -58,7 +59,7 @@ def _classify_kernel(spec, block_m, block_n, threads):
                 classes[b, h, tile // n_tiles, tile % n_tiles] = (
                     EMPTY if not some else FULL if every else PARTIAL)
 
-    return cuda.jit(classify)  # (no cache: mask_mod may capture device addresses)
+    return cuda.jit(classify)  # (no disk cache: the key would not see mask_mod's code)
 
 
 @cuda.jit(cache=True)
@@ -99,19 +100,22 @@ class TileTables:
 
     block_mask: the call's BlockMask, or None (the call's own, dropped after it); sizes:
     (batch, nheads, seqlen_q, seqlen_k) of the call (varlen: sequences, nheads, and the
-    longest lengths, with the kernels' views of cu_seqlens)."""
+    longest lengths, with the kernels' views of cu_seqlens); mod_arrays: the kernels' views
+    of the arrays mask_mod captures (numba_flash/mask_mod.py), a tuple."""
 
-    def __init__(self, spec, block_mask, sizes, alloc, stream, device, cu_seqlens=None):
+    def __init__(self, spec, block_mask, sizes, alloc, stream, device, mod_arrays,
+                 cu_seqlens=None):
         batch, nheads, seqlen_q, seqlen_k = sizes
         self.spec, self.sizes, self.alloc, self.stream = spec, sizes, alloc, stream
-        self.block_mask = block_mask or BlockMask(spec.mask_mod, batch, nheads, seqlen_q,
-                                                  seqlen_k)
+        self.block_mask = block_mask or BlockMask(spec.mask_mod.function, batch, nheads,
+                                                  seqlen_q, seqlen_k)
+        self.mod_arrays = mod_arrays
         self.device, self.cu_seqlens = device, cu_seqlens
         self.kept = block_mask is not None  # (then synchronised after building: see build)
 
     def arguments(self, block_m, block_n, along_keys):
-        """(classes, spans) views for a kernel of block_m x block_n tiles: spans per query
-        tile, or per key tile of a key/value head (along_keys: the dK/dV kernels)."""
+        """(classes, spans, mod_arrays) for a kernel of block_m x block_n tiles: spans per
+        query tile, or per key tile of a key/value head (along_keys: the dK/dV kernels)."""
         batch, nheads, _, _ = self.sizes
         tables = self.block_mask.tables((self.device, block_m, block_n, self.spec.group),
                                         functools.partial(self._build, block_m, block_n))
@@ -119,7 +123,8 @@ class TileTables:
         spans = key_spans if along_keys else query_spans
         heads = nheads // self.spec.group if along_keys else nheads
         return (marshal.broadcast(marshal.view(classes), (batch, nheads) + classes.shape[2:]),
-                marshal.broadcast(marshal.view(spans), (batch, heads) + spans.shape[2:]))
+                marshal.broadcast(marshal.view(spans), (batch, heads) + spans.shape[2:]),
+                self.mod_arrays)
 
     def _build(self, block_m, block_n):
         mask = self.block_mask
@@ -140,7 +145,7 @@ class TileTables:
         tile_blocks = 1 if simulator_enabled() else m_tiles * n_tiles
         launch(_classify_kernel(self.spec.for_kernels(), block_m, block_n, threads),
                (tile_blocks, 1, batch * nheads), threads, self.stream, 0, classes_view,
-               sizes, cu_q, cu_k)
+               sizes, cu_q, cu_k, self.mod_arrays)
         spans = [marshal.view(query_spans), marshal.view(key_spans)]
         total = batch * (nheads * m_tiles + kv_heads * n_tiles)
         blocks = 1 if simulator_enabled() else -(-total // THREADS)
@@ -151,11 +156,12 @@ class TileTables:
 
 
 def tile_arguments(tiles, unused, block_m, block_n, along_keys=False):
-    """The attention kernels' two last arguments: a mask_mod's (classes, spans) for this tile
-    shape, or `unused` twice (kernel_extras_unused) without a mask_mod."""
+    """The attention kernels' three last arguments: a mask_mod's (classes, spans, captured
+    arrays) for this tile shape, or (`unused` twice (kernel_extras_unused), ()) without a
+    mask_mod."""
     if tiles is None:
         unused = kernel_extras_unused(unused)[0]
-        return unused, unused
+        return unused, unused, ()
     return tiles.arguments(block_m, block_n, along_keys)
 
 
@@ -174,33 +180,48 @@ def call_tiles(spec, extras, kernel_extras, q_view, k_view, alloc, stream):
         sizes = (int(q_view.shape[0]), nheads, int(q_view.shape[1]), int(k_view.shape[1]))
         cu_seqlens = None
     device = 0 if simulator_enabled() else current_device()
-    return TileTables(spec, extras.block_mask, sizes, alloc, stream, device, cu_seqlens)
+    mod_arrays = tuple(marshal.view(x) for x in extras.mask_mod_arrays)
+    return TileTables(spec, extras.block_mask, sizes, alloc, stream, device, mod_arrays,
+                      cu_seqlens)
+
+
+def check_mask_mod(program, captured):
+    """TypeError naming mask_mod unless Numba compiles its MaskModProgram for int64 indices
+    and the captured arrays to a boolean (under the simulator: unless a call at index 0
+    returns a boolean), before any launch. Numba's message is cut to its first lines."""
+    if simulator_enabled():
+        _check_at_zero(program, [marshal.view(x) for x in captured])
+        return
+    from .launch import _array_signature
+    views = [marshal.view(x) for x in captured]
+    _check_compiles(program, tuple(_array_signature(x.dtype, x.shape, x.strides)[0]
+                                   for x in views))
+
+
+def _check_at_zero(program, captured):
+    name = program.name
+    try:
+        value = program.function(0, 0, 0, 0, *captured)
+    except Exception as error:
+        raise TypeError(f"mask_mod {name!r} failed at index (0, 0, 0, 0): "
+                        f"{type(error).__name__}: {error}") from None
+    try:  # (a bool, or a NumPy or torch boolean of one element, as a captured array gives)
+        array = np.asarray(value)
+        boolean = array.dtype == np.bool_ and array.size == 1
+    except (TypeError, ValueError, RuntimeError):
+        boolean = False
+    if not boolean:
+        raise TypeError(f"mask_mod {name!r} must return a bool; it returned "
+                        f"{type(value).__name__}")
 
 
 @functools.lru_cache(maxsize=64)
-def check_mask_mod(mask_mod):
-    """TypeError naming mask_mod unless Numba compiles it for int64 indices to a boolean (under
-    the simulator: unless a call at index 0 returns a boolean), before any launch. Numba's
-    message is cut to its first lines."""
-    name = getattr(mask_mod, "__name__", "mask_mod")
-    if simulator_enabled():
-        try:
-            value = mask_mod(0, 0, 0, 0)
-        except Exception as error:
-            raise TypeError(f"mask_mod {name!r} failed at index (0, 0, 0, 0): "
-                            f"{type(error).__name__}: {error}") from None
-        try:  # (a bool, or a NumPy or torch boolean of one element, as a captured array gives)
-            array = np.asarray(value)
-            boolean = array.dtype == np.bool_ and array.size == 1
-        except (TypeError, ValueError, RuntimeError):
-            boolean = False
-        if not boolean:
-            raise TypeError(f"mask_mod {name!r} must return a bool; it returned "
-                            f"{type(value).__name__}")
-        return
+def _check_compiles(program, array_types):
     from numba import int64
+    name = program.name
     try:
-        _, returned = cuda.compile_ptx(mask_mod, (int64,) * 4, device=True, cc=(8, 0))
+        _, returned = cuda.compile_ptx(program.function, (int64,) * 4 + array_types,
+                                       device=True, cc=(8, 0))
     except Exception as error:
         lines = [line for line in str(error).splitlines() if line.strip()
                  and not line.startswith(("Failed in", "During:", "File "))]

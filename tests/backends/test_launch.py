@@ -41,15 +41,31 @@ def test_array_parameters(rng):
     view = DeviceView(0x1234_5600, shape, (8 * shape[1] * shape[2] * shape[3],
                                            8 * shape[2] * shape[3], 8 * shape[3], 8),
                       np.dtype("float64"))
-    argtype, values = numba_launch._argument(view)
+    argtype, values, slots = numba_launch._argument(view)
     assert argtype.layout == "C" and argtype.ndim == 4 and str(argtype.dtype) == "float64"
     # meminfo, parent, nitems, itemsize, data, shape, strides
     assert values == (0, 0, int(np.prod(shape)), 8, 0x1234_5600, *shape, *view.strides)
+    assert slots == (4,)
     strided = DeviceView(view.ptr, shape, view.strides[:2] + (16 * shape[3], 16), view.dtype)
     assert numba_launch._argument(strided)[0].layout == ("C" if shape[2] == shape[3] == 1
                                                          else "A")
-    argtype, values = numba_launch._argument(np.float32(0.25))
-    assert str(argtype) == "float32" and values[0].value == 0.25
+    argtype, values, slots = numba_launch._argument(np.float32(0.25))
+    assert str(argtype) == "float32" and values[0].value == 0.25 and slots == ()
+
+
+def test_tuple_parameters_are_their_items_in_order():
+    """A tuple argument (a mask_mod's captured arrays) is its items' parameters one after
+    another, as Numba's data model flattens tuples; an empty tuple has none."""
+    ids = DeviceView(0x1000, (7,), (4,), np.dtype("int32"))
+    flags = DeviceView(0x2000, (2, 3), (3, 1), np.dtype("bool"))
+    argtype, values, slots = numba_launch._argument((ids, flags))
+    assert str(argtype) == "Tuple(array(int32, 1d, C), array(bool, 2d, C))"
+    assert values == (0, 0, 7, 4, 0x1000, 7, 4, 0, 0, 6, 1, 0x2000, 2, 3, 3, 1)
+    assert slots == (4, 11) and [values[s] for s in slots] == [0x1000, 0x2000]
+    assert list(numba_launch._pointers([ids, (), (flags, ids), np.float32(1)])) == [
+        0x1000, 0x2000, 0x1000]
+    argtype, values, slots = numba_launch._argument(())
+    assert str(argtype) == "Tuple()" and values == () and slots == ()
 
 
 @pytest.mark.parametrize("scalar", [0.25, np.float64(0.25), np.int32(3), 7])

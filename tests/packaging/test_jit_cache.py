@@ -37,8 +37,8 @@ def closure_hash(fn):
 print(" ".join(closure_hash(fn) for fn in kernels))
 if sys.argv[1] == "compile":  # small kernels of each family reach every device function kind
     u4, f3 = "uint16[:, :, :, :]", "float32[:, :, :]"
-    unused = f", {f3}" * 6  # (alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask,
-    #                             tile_classes, tile_spans: lse's type)
+    unused = f"{f', {f3}' * 6}, Tuple(())"  # (alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+    #               attn_mask, tile_classes, tile_spans: lse's type; no mask_mod arrays)
     small = AttentionSpec(16, "float16", causal=True)
     cuda.compile_ptx(mma_fwd.mma_forward_kernel_function(MmaConfig(16, 1), small),
                      f"({u4}, {u4}, {u4}, {u4}, {f3}, float32{unused})", cc=(8, 0))

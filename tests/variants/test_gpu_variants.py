@@ -7,6 +7,7 @@ from error_rule import assert_within_rule
 
 import numba_flash
 from numba_flash.extras import Extras
+from numba_flash.mask_mod import lower
 from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 from numba_flash.testing import plain16_backward, plain16_forward, round16
@@ -110,7 +111,9 @@ def _extras(cp, rng, options, shape, dtype):
     if mask is not None:
         mask_dtype = "bool" if mask.dtype == cp.bool_ else dtype
         options["attn_mask"] = _as([mask], mask_dtype, torch_too=dtype == "bfloat16")[0]
-    return options, Extras(slopes, attn_mask=mask)
+    mask_mod = options["block_mask"].mask_mod if "block_mask" in options else options.get(
+        "mask_mod")
+    return options, Extras(slopes, attn_mask=mask, mask_mod_arrays=lower(mask_mod)[1])
 
 
 def _mask_mod(cp, rng, kind, length):
@@ -235,3 +238,35 @@ def test_gqa_gradients_are_bitwise_repeatable(cp, rng, backend):
         again = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
         for a, b in zip(first, again):
             assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
+def test_new_closures_over_new_arrays_compile_nothing(cp, rng, backend):
+    """A training loop's document mask: each step a new closure over new document ids (a
+    CuPy array) and a new block mask. Each step is attention under its own documents by the
+    accuracy rule, and the steps after the first compile no kernel (the ids are kernel
+    arguments: numba_flash/mask_mod.py)."""
+    from numba_flash.backends.numba import launch
+    dtype = "float16" if backend == "numba" else "float32"
+    shape = (2, 900, 900, 4, 2, 64)
+    compiled = None
+    for step in range(3):
+        lengths = rng.integers(30, 300, 40)
+        ids = cp.asarray(np.repeat(np.arange(40), lengths)[:900], cp.int32)
+
+        def same_document(b, h, q_idx, kv_idx):
+            return ids[q_idx] == ids[kv_idx]
+        values = _values(cp, rng, shape, dtype)
+        arrays = _as(values, dtype)
+        options = dict(causal=True, block_mask=numba_flash.block_mask(
+            same_document, None, None, 900, 900) if step == 2 else None,
+                       mask_mod=same_document)
+        extras = Extras(mask_mod_arrays=(ids,))
+        spec = make_spec(values[0], values[1], causal=True, mask_mod=same_document)
+        _check_forward_and_backward(
+            cp, dtype, values, arrays, spec, extras,
+            lambda *a: numba_flash.forward(*a, backend=backend, **options),
+            lambda *a: numba_flash.backward(*a, backend=backend, **options))
+        if compiled is None:
+            compiled = len(launch._compiled)
+        assert len(launch._compiled) == compiled, f"step {step} compiled a kernel"

@@ -12,6 +12,7 @@ from error_rule import assert_within_rule
 import numba_flash
 from numba_flash import registry
 from numba_flash.extras import Extras
+from numba_flash.mask_mod import lower
 from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 
@@ -110,15 +111,16 @@ def test_varlen_gives_mask_mod_the_sequence_and_its_own_indices(rng):
 
 def _assert_like_float64(q, k, v, dout, out, lse, grads, mask_mod, dtype, **options):
     spec = make_spec(q, k, mask_mod=mask_mod, **options)
+    extras = Extras(mask_mod_arrays=lower(mask_mod)[1])
     plain = np.float32 if dtype == np.float32 else np.float64
-    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, Extras())
-    base_out, _ = attention_forward(np, q, k, v, spec, plain, Extras())
+    ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, extras)
+    base_out, _ = attention_forward(np, q, k, v, spec, plain, extras)
     assert_within_rule("out", out, base_out, ref_out, "float32")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-5)
-    refs = attention_backward(np, dout, q, k, v, out, lse, spec, np.float64, Extras())
-    bases = attention_backward(np, dout, q, k, v, out, lse, spec, plain, Extras())
+    refs = attention_backward(np, dout, q, k, v, out, lse, spec, np.float64, extras)
+    bases = attention_backward(np, dout, q, k, v, out, lse, spec, plain, extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, got, base, ref, "float32")
 
@@ -156,9 +158,11 @@ def test_the_tile_tables_are_what_a_loop_over_the_tiles_says():
     group, block_m, block_n = 2, 4, 3
     spec = AttentionSpec(HEAD_DIM, "float32", group=group, mask_mod=per_head_stripes)
     sizes = (BATCH, NHEADS, SEQLEN_Q, SEQLEN_K)
-    tables = TileTables(spec, None, sizes, lambda shape, dtype: np.full(shape, 77, dtype), 0, 0)
-    classes, query_spans = tables.arguments(block_m, block_n, along_keys=False)
-    _, key_spans = tables.arguments(block_m, block_n, along_keys=True)
+    tables = TileTables(spec, None, sizes, lambda shape, dtype: np.full(shape, 77, dtype), 0, 0,
+                        ())
+    classes, query_spans, captured = tables.arguments(block_m, block_n, along_keys=False)
+    _, key_spans, _ = tables.arguments(block_m, block_n, along_keys=True)
+    assert captured == ()
     seen = _grid(per_head_stripes, sizes)
     m_tiles, n_tiles = -(-SEQLEN_Q // block_m), -(-SEQLEN_K // block_n)
     for b in range(BATCH):
@@ -257,16 +261,17 @@ def test_a_mask_mod_numba_cannot_compile_gets_its_reason_in_short():
     import textwrap
     code = textwrap.dedent('''
         from numba_flash.backends.numba.tile_classes import check_mask_mod
+        from numba_flash.mask_mod import lower
         def undefined(b, h, q_idx, kv_idx):
             return missing_name[q_idx] > 0
         def not_bool(b, h, q_idx, kv_idx):
             return q_idx * 1.5
         def fine(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
-        check_mask_mod(fine)
+        check_mask_mod(*lower(fine))
         for mask_mod in (undefined, not_bool):
             try:
-                check_mask_mod(mask_mod)
+                check_mask_mod(*lower(mask_mod))
             except TypeError as error:
                 print(error)
         ''')

@@ -83,7 +83,7 @@ def run_simt(rng, shape, kv_heads, causal, dtype, async_copy, options):
     options = dict(options)
     lengths = options.pop("lengths", None)
     spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
-    case = Layout(rng, spec, shape, lengths)
+    case = Layout(rng, spec, shape, lengths, options.get("mask_mod"))
     q, k, v, dout = (case.draw(side, h).astype(dtype) for side, h in
                      ((0, nheads), (1, kv_heads), (1, kv_heads), (0, nheads)))
     if dtype == "float32":

@@ -1,9 +1,10 @@
 """The call's attention mask (attn_mask), read element by element where a kernel needs it.
 
 The kernels see the mask as a 4-D array (batch, nheads, seqlen_q, seqlen_k) whose broadcast
-dimensions have stride 0 (marshal.kernel_extras), bfloat16 as its bit patterns. A
-block passes `mask_at = (attn_mask, b, h)`, its batch entry and query head, to these readers,
-which read nothing outside seqlen_q x seqlen_k: the rows and keys past the ends that a
+dimensions have stride 0 (marshal.kernel_extras), bfloat16 as its bit patterns. A block
+passes `mask_at = (attn_mask, b, h, mask_mod_arrays)`, its batch entry and query head (and
+device/mask_mod.py's captured arrays), to these readers, which read nothing outside
+seqlen_q x seqlen_k: the rows and keys past the ends that a
 kernel's last tiles compute (and never store) get "not seen" from a boolean mask, and a
 float mask's bias of the nearest row or key inside (read without a branch; those scores are
 masked or never stored).
@@ -28,7 +29,7 @@ def make_mask_readers(spec):
 
     @cuda.jit(device=True, inline="always")
     def value(mask_at, row, col):
-        attn_mask, b, h = mask_at
+        attn_mask, b, h, _ = mask_at
         x = attn_mask[b, h, row, col]
         if dtype == "bfloat16":
             return bf16_bits_to_float32(x)
@@ -41,7 +42,7 @@ def make_mask_readers(spec):
             return True
         if row >= seqlen_q or col >= seqlen_k:
             return False
-        attn_mask, b, h = mask_at
+        attn_mask, b, h, _ = mask_at
         return bool(attn_mask[b, h, row, col])
 
     @cuda.jit(device=True, inline="always")

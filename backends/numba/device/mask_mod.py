@@ -5,7 +5,9 @@ mask_mod(b, h, q_idx, kv_idx) -> bool (spec.mask_mod) is compiled as a device fu
 the kernel that calls it and called only inside the bounds (row < seqlen_q, col < seqlen_k:
 a function that indexes an array by q_idx or kv_idx never reads past it), for the elements of
 partial tiles. b is the block's sequence (blockIdx.z: the batch entry, or varlen's sequence),
-h its query head, both passed in `mask_at` (device/attn_mask.py).
+h its query head, both passed in `mask_at` (device/attn_mask.py), whose last item is the tuple
+of the arrays mask_mod captures (numba_flash/mask_mod.py: spec.mask_mod is its
+MaskModProgram, the function taking them after the four indices; a kernel argument).
 
 Which tiles need it says the tile table (backends/numba/tile_classes.py builds it before the
 attention kernels run, for their tile shape): `tiles = (classes, spans)`, classes[b, h,
@@ -33,16 +35,17 @@ def make_mask_mod_reader(spec):
             return True
         return mod_allows
 
-    user_mask = cuda.jit(device=True, inline="always")(mask_mod)
-
-    @cuda.jit(device=True, inline="always")
-    def mod_allows(mask_at, row, col, seqlen_q, seqlen_k):
-        if row >= seqlen_q or col >= seqlen_k:
-            return False
-        _, b, h = mask_at
-        return bool(user_mask(b, h, row, col))
-
-    return mod_allows
+    # Numba's inliner takes no *args: the call names each captured array (written out for
+    # this program's count of them)
+    arrays = "".join(f", captured[{i}]" for i in range(len(mask_mod.captured)))
+    source = ("def mod_allows(mask_at, row, col, seqlen_q, seqlen_k):\n"
+              "    if row >= seqlen_q or col >= seqlen_k:\n"
+              "        return False\n"
+              "    _, b, h, captured = mask_at\n"
+              f"    return bool(user_mask(b, h, row, col{arrays}))\n")
+    namespace = {"user_mask": cuda.jit(device=True, inline="always")(mask_mod.function)}
+    exec(compile(source, __file__, "exec"), namespace)
+    return cuda.jit(device=True, inline="always")(namespace["mod_allows"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,7 +100,7 @@ def mma_dk_dv_kernel_function(config, spec):
 
     def flash_bwd_dk_dv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
                             alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
-                            tile_spans):
+                            tile_spans, mod_arrays):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -160,7 +160,7 @@ def mma_dk_dv_kernel_function(config, spec):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)
             slope = head_slope(alibi_slopes, seq, h_first + head)
-            mask_at = (attn_mask, seq, h_first + head)  # (device/attn_mask.py)
+            mask_at = (attn_mask, seq, h_first + head, mod_arrays)  # (device/attn_mask.py)
             kind = mod_class(tiles, seq, h_first + head, m0, n0)
             # Load: this query tile (one stage), or the next one, of this head or the next,
             # behind this one (two stages).
@@ -254,7 +254,8 @@ def mma_dq_kernel_function(config, spec):
         load_tile(v_tiles, BLOCK_N * stage, v, b, n0, h, k_end, BLOCK_N)
 
     def flash_bwd_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                         cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans):
+                         cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans,
+                         mod_arrays):
         tid = cuda.threadIdx.x
         warp = tid // WARP
         lane = tid % WARP
@@ -272,7 +273,7 @@ def mma_dq_kernel_function(config, spec):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, seq, h)
-        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         row_lo = m0 + 16 * warp + g
         row_hi = row_lo + 8

@@ -101,7 +101,7 @@ def mma_forward_kernel_function(config, spec):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_forward_mma(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
-                          cu_seqlens_k, attn_mask, tile_classes, tile_spans):
+                          cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
         lane = cuda.threadIdx.x % WARP
         g = lane // 4  # the lane's row within an 8-row group
         t = lane % 4  # the lane's column pair
@@ -116,7 +116,7 @@ def mma_forward_kernel_function(config, spec):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, seq, h)
-        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         warp_row0 = WARP_ROWS * (cuda.threadIdx.x // WARP)  # the warp's first row in the tile
         # This lane's rows: m0 + warp_row0 + 16 * sl + g + 8 * half, for slice sl, half 0/1

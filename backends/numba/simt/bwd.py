@@ -83,7 +83,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
 
     def flash_bwd_dk_dv(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
                         alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
-                        tile_spans):
+                        tile_spans, mod_arrays):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TK + lane // LANE_COLS  # key rows ty + 4·i
@@ -141,7 +141,7 @@ def _dk_dv_kernel_function(config, spec, async_copy):
         for step in range(m_begin, m_stop, BLOCK_M):  # (block_range.make_group_walk)
             head, m0 = walk_position(step, m_begin, span)  # (this tile's: loaded already)
             slope = head_slope(alibi_slopes, seq, h_first + head)
-            mask_at = (attn_mask, seq, h_first + head)  # (device/attn_mask.py)
+            mask_at = (attn_mask, seq, h_first + head, mod_arrays)  # (device/attn_mask.py)
             wait_loads()
             cuda.syncthreads()  # why: this stage's tiles complete; the last tile's reads done
             # Load: the next query tile (of this head or the next) into the other stage (two
@@ -235,7 +235,7 @@ def _dq_kernel_function(config, spec, async_copy):
     GROUP, VARLEN = spec.group, spec.varlen
 
     def flash_bwd_dq(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, alibi_slopes,
-                     cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans):
+                     cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # query rows ty + 4·i
@@ -250,7 +250,7 @@ def _dq_kernel_function(config, spec, async_copy):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, seq, h)
-        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py: a mask_mod's tile table)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: every tile below

@@ -82,7 +82,7 @@ def forward_kernel_function(config, spec, async_copy=False):
     ACC_SHAPE = (TM, 4 * CHUNKS)
 
     def flash_forward(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                      attn_mask, tile_classes, tile_spans):
+                      attn_mask, tile_classes, tile_spans, mod_arrays):
         lane = cuda.threadIdx.x % 32
         tx = lane % LANE_COLS
         ty = cuda.threadIdx.x // 32 * LANE_ROWS * TM + lane // LANE_COLS  # rows ty + 4·i
@@ -97,7 +97,7 @@ def forward_kernel_function(config, spec, async_copy=False):
         offset = seqlen_k - seqlen_q
         tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
         slope = head_slope(alibi_slopes, seq, h)
-        mask_at = (attn_mask, seq, h)  # (device/attn_mask.py)
+        mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py: a mask_mod's tile table)
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)  # dynamic: Q, K, V, P tiles
