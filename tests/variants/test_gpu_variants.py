@@ -243,14 +243,15 @@ def test_gqa_gradients_are_bitwise_repeatable(cp, rng, backend):
 @pytest.mark.parametrize("backend", ["numba", "numba-simt"])
 def test_new_closures_over_new_arrays_compile_nothing(cp, rng, backend):
     """A training loop's document mask: each step a new closure over new document ids (a
-    CuPy array) and a new block mask. Each step is attention under its own documents by the
-    accuracy rule, and the steps after the first compile no kernel (the ids are kernel
-    arguments: numba_flash/mask_mod.py)."""
+    CuPy array), two steps with the mask_mod alone, then two with a new block mask each (whose
+    broadcast tile tables are other argument types: kernels of their own). Each step is
+    attention under its own documents by the accuracy rule, and the second step of each kind
+    compiles no kernel (the ids are kernel arguments: numba_flash/mask_mod.py)."""
     from numba_flash.backends.numba import launch
     dtype = "float16" if backend == "numba" else "float32"
     shape = (2, 900, 900, 4, 2, 64)
-    compiled = None
-    for step in range(3):
+    compiled = {}
+    for step, kind in enumerate(["mask_mod", "mask_mod", "block_mask", "block_mask"]):
         lengths = rng.integers(30, 300, 40)
         ids = cp.asarray(np.repeat(np.arange(40), lengths)[:900], cp.int32)
 
@@ -258,15 +259,13 @@ def test_new_closures_over_new_arrays_compile_nothing(cp, rng, backend):
             return ids[q_idx] == ids[kv_idx]
         values = _values(cp, rng, shape, dtype)
         arrays = _as(values, dtype)
-        options = dict(causal=True, block_mask=numba_flash.block_mask(
-            same_document, None, None, 900, 900) if step == 2 else None,
-                       mask_mod=same_document)
+        options = dict(causal=True, mask_mod=same_document, block_mask=numba_flash.block_mask(
+            same_document, None, None, 900, 900) if kind == "block_mask" else None)
         extras = Extras(mask_mod_arrays=(ids,))
         spec = make_spec(values[0], values[1], causal=True, mask_mod=same_document)
         _check_forward_and_backward(
             cp, dtype, values, arrays, spec, extras,
             lambda *a: numba_flash.forward(*a, backend=backend, **options),
             lambda *a: numba_flash.backward(*a, backend=backend, **options))
-        if compiled is None:
-            compiled = len(launch._compiled)
-        assert len(launch._compiled) == compiled, f"step {step} compiled a kernel"
+        kernels = compiled.setdefault(kind, len(launch._compiled))
+        assert len(launch._compiled) == kernels, f"step {step} ({kind}) compiled a kernel"
