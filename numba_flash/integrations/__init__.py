@@ -1,0 +1,1 @@
+"""Integrations with model libraries (each imported only when asked for)."""

@@ -1,0 +1,86 @@
+"""Hugging Face transformers: `attn_implementation="numba_flash"`.
+
+    import numba_flash.integrations.transformers as nf_transformers
+    nf_transformers.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="numba_flash")
+
+transformers treats an implementation whose name holds "flash" as a FlashAttention kernel:
+its models hand it a padding mask of shape (batch, seqlen) or None (flash_attention_mask),
+and its FlashAttention wrapper (`flash_attention_forward`) un-pads a padded batch into packed
+sequences, finds packed sequences from position_ids, passes causal, GQA, the sliding window
+(as flash-attn's `window_size`) and Gemma 2's softcap, and calls the implementation's
+`flash_attn_func` / `flash_attn_varlen_func`. `register()` makes "numba_flash" such a kernel,
+backed by numba_flash.torch: it registers that wrapper and that mask under the name, and
+answers transformers' import of the kernel's functions (`_lazy_imports` in
+transformers.modeling_flash_attention_utils, which would otherwise look for "numba_flash" on
+the Hugging Face hub) with this module's `flash_attn_func` and `flash_attn_varlen_func`,
+which take flash-attn's arguments. No paged-cache function (`flash_attn_with_kvcache`):
+transformers' continuous batching does not take this implementation.
+
+Dropout inside attention is refused (`attention_dropout` > 0 while training): numba_flash
+has none yet. Tested with transformers 5.2x.
+"""
+import functools
+
+import torch
+from transformers import AttentionInterface, modeling_flash_attention_utils
+from transformers.integrations.flash_attention import flash_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+import numba_flash.torch as numba_torch
+
+NAME = "numba_flash"
+_settings = {"backend": "auto"}
+
+
+def register(backend="auto"):
+    """Register "numba_flash" with transformers (again: only the backend changes); the
+    kernels run through numba_flash.torch with `backend` (a numba_flash backend name)."""
+    from numba_flash import registry
+    registry._check_name(backend)
+    _settings["backend"] = backend
+    AttentionInterface.register(NAME, flash_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    imports = modeling_flash_attention_utils._lazy_imports
+    if not getattr(imports, "_numba_flash", False):
+        modeling_flash_attention_utils._lazy_imports = _answering_for_us(imports)
+
+
+def _answering_for_us(original):
+    @functools.wraps(original)
+    def lazy_imports(implementation, *args, **kwargs):
+        if implementation != NAME:
+            return original(implementation, *args, **kwargs)
+        utils = modeling_flash_attention_utils
+        return flash_attn_func, flash_attn_varlen_func, None, utils._pad_input, utils._unpad_input
+    lazy_imports._numba_flash = True
+    return lazy_imports
+
+
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0.0: numba_flash has no attention dropout yet (set "
+                         f"the model config's attention_dropout to 0); got {dropout_p!r}")
+    return dict(causal=bool(causal), softmax_scale=softmax_scale,
+                window_size=tuple(int(x) for x in window_size), softcap=float(softcap or 0.0),
+                alibi_slopes=alibi_slopes, backend=_settings["backend"])
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+    """flash-attn's flash_attn_func (q (batch, seqlen, nheads, headdim), k and v with
+    nheads_kv heads) through numba_flash.torch.attention; always deterministic."""
+    return numba_torch.attention(q, k, v, **_options(dropout_p, softmax_scale, causal,
+                                                     window_size, softcap, alibi_slopes))
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False):
+    """flash-attn's flash_attn_varlen_func (packed (total, nheads, headdim) arrays, int32
+    cu_seqlens) through numba_flash.torch.attention_varlen."""
+    return numba_torch.attention_varlen(
+        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+        int(max_seqlen_k), **_options(dropout_p, softmax_scale, causal, window_size, softcap,
+                                      alibi_slopes))

@@ -1,0 +1,143 @@
+"""numba_flash.integrations.transformers: attn_implementation="numba_flash" in tiny models
+built from configs (random weights, no download): Llama (GQA), Mistral (a sliding window
+shorter than the sequence), Gemma 2 (softcap, sliding and global layers), Qwen2. Logits and
+the gradients of one training step, the Numba kernels in the simulator, against float64
+eager attention by the accuracy rule (the baseline: float32 eager attention), Llama and
+Qwen2 with a left-padded batch (transformers un-pads it into packed sequences: our varlen
+kernels; against numba_flash's float64 reference through the same model, since eager
+attention's padding rows get NaN gradients); greedy generate() of 32 tokens with the
+default cache giving the reference's tokens (the numpy backend, float64: the integration's
+logic, each decode step's un-padding and cache, at a price the simulator could not pay)."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+from error_rule import assert_within_rule
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import numba_flash.integrations.transformers as numba_transformers  # noqa: E402
+
+SEQLEN, VOCAB = 12, 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             max_position_embeddings=128, attention_dropout=0.0)
+
+
+def _configs():
+    """{name: (config, the implementation generate() is compared with (SDPA where it takes
+    the model's options), whether its batch is left-padded)}:
+    the windowed models' batches are not padded, since with left padding transformers'
+    FlashAttention path (ours) counts a window in tokens where eager and SDPA count positions,
+    pads among them (FlashAttention-2's behaviour in transformers, not a kernel's)."""
+    return {
+        "llama-gqa": (transformers.LlamaConfig(**SMALL), "sdpa", True),
+        "mistral-window": (transformers.MistralConfig(**SMALL, sliding_window=5), "sdpa", False),
+        "gemma2-softcap": (transformers.Gemma2Config(
+            **SMALL, sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+            query_pre_attn_scalar=8), "eager", False),
+        "qwen2": (transformers.Qwen2Config(**SMALL), "sdpa", True),
+    }
+
+
+MODELS = list(_configs())
+
+
+@pytest.fixture
+def registered():
+    """register() with a backend, put back to "auto" after the test."""
+    def register(backend):
+        numba_transformers.register(backend=backend)
+    yield register
+    numba_transformers.register()
+
+
+def _models(name, implementations, dtype):
+    """The same random weights under each attn_implementation, in dtype."""
+    config, _, _ = _configs()[name]
+    torch.manual_seed(0)
+    models = [transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                            attn_implementation=impl)
+              for impl in implementations]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    return [model.to(dtype) for model in models]
+
+
+def _batch(gen, padded):
+    """Token ids (2, SEQLEN) and the attention mask: the second row left-padded by 4."""
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=gen)
+    mask = torch.ones(2, SEQLEN, dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0
+    return ids, mask
+
+
+def _step(model, ids, mask):
+    """Logits and every parameter's gradient of one training step's loss."""
+    model.zero_grad()
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    keep = mask.bool()
+    return out.logits.detach()[keep], grads
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_gradients_match_eager_attention(registered, rng, name):
+    """The kernels (numba, simulator, float32) inside the model, by the accuracy rule against
+    float64 eager attention, with float32 eager attention as the baseline; for a left-padded
+    batch, whose padding rows see no key (eager attention gives them NaN gradients in
+    float64), against the same model through numba_flash's float64 numpy reference, with its
+    float32 run as the baseline."""
+    _, _, padded = _configs()[name]
+    implementations = ["numba_flash"] * 3 if padded else ["numba_flash", "eager", "eager"]
+    backends = ["numba", "numpy", "numpy"] if padded else ["numba", None, None]
+    registered("numba")
+    models = _models(name, implementations, torch.float32)
+    models[2] = models[2].to(torch.float64)
+    ids, mask = _batch(torch.Generator().manual_seed(int(rng.integers(2**31))), padded)
+    results = []
+    for model, backend in zip(models, backends):
+        if backend:
+            registered(backend)
+        results.append(_step(model, ids, mask))
+    got, base, ref = results
+    assert_within_rule("logits", got[0].numpy(), base[0].numpy(), ref[0].numpy(), "float32")
+    assert got[1].keys() == ref[1].keys() and len(ref[1]) > 10
+    for param in ref[1]:
+        assert_within_rule(param, got[1][param].numpy(), base[1][param].numpy(),
+                           ref[1][param].numpy(), "float32")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_generation_gives_the_references_tokens(registered, rng, name):
+    _, reference_impl, padded = _configs()[name]
+    registered("numpy")
+    ours, reference = _models(name, ["numba_flash", reference_impl], torch.float64)
+    ids, mask = _batch(torch.Generator().manual_seed(int(rng.integers(2**31))), padded)
+    options = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    got, want = (model.generate(ids, **options) for model in (ours, reference))
+    assert got.shape == (2, SEQLEN + 32)
+    assert torch.equal(got, want)
+
+
+def test_the_flash_functions_refuse_dropout_and_bad_backends():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="dropout_p must be 0.0: numba_flash has no attention "
+                                         "dropout yet"):
+        numba_transformers.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        numba_transformers.register(backend="fast")
+
+
+def test_importing_numba_flash_does_not_import_transformers():
+    code = ("import sys, numba_flash, numba_flash.torch\n"
+            "print('transformers' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), check=True)
+    assert run.stdout.strip() == "False"
