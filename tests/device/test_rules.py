@@ -20,7 +20,8 @@ from numba_flash.reference import score_mod, visible
 from numba_flash.spec import AttentionSpec
 from numba_flash.testing import bf16_bits, bf16_values
 
-NO_MASK = (None, 0, 0)  # the (attn_mask, b, h) of a call without a mask: never read
+NO_MASK = (None, 0, 0, ())  # the (attn_mask, b, h, mask_mod arrays) of a call without a mask:
+#                               never read
 
 WINDOW_SIDE = st.one_of(st.just(-1), st.integers(0, 12), st.just(100))
 SIZES = dict(seqlen_q=st.integers(1, 70), seqlen_k=st.integers(1, 70),
@@ -199,7 +200,7 @@ def test_a_float_mask_adds_its_element_in_log2_units(rng, dtype):
     for row in range(7):
         for col in range(9):
             got = mod.score(np.float32(1.5), np.float32(2.0), np.float32(0), row, col, offset, 7,
-                            (mask, 1, 2))
+                            (mask, 1, 2, ()))
             want = 3.0 + float(values[1, 2, min(row, 4), min(col, 6)]) * float(LOG2E)
             assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (row, col)
 
@@ -210,7 +211,7 @@ def test_a_bool_mask_hides_what_it_says_and_everything_outside_the_bounds(rng):
     seen = make_mask(window, key_bound=False)
     offset = 6 - 4
     truth = _truth(window, 4, 6) & mask[0, 1]
-    got = np.array([[seen(i, j, 6, offset, (mask, 0, 1)) for j in range(8)] for i in range(6)])
+    got = np.array([[seen(i, j, 6, offset, (mask, 0, 1, ())) for j in range(8)] for i in range(6)])
     assert np.array_equal(got[:4, :6], truth)
     assert not got[4:].any() and not got[:, 6:].any()  # (rows, keys past the ends: not read)
     partial = make_block_range(window, 4, 4)[3]
