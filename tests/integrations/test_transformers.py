@@ -141,3 +141,55 @@ def test_importing_numba_flash_does_not_import_transformers():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), check=True)
     assert run.stdout.strip() == "False"
+
+
+REAL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+            max_position_embeddings=8192, attention_dropout=0.0)
+
+
+def _real_configs():
+    return {
+        "llama-gqa": (transformers.LlamaConfig(**REAL), "sdpa"),
+        "mistral-window": (transformers.MistralConfig(**REAL, sliding_window=1024), "sdpa"),
+        "gemma2-softcap": (transformers.Gemma2Config(
+            **REAL, sliding_window=1024, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, query_pre_attn_scalar=64), "eager"),
+        "qwen2": (transformers.Qwen2Config(**REAL), "sdpa"),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_a_real_size_model_on_the_gpu(registered, rng, name):
+    """4 layers, seq 4096, bfloat16 on the GPU: logits and one training step's gradients by
+    the accuracy rule against the float64 model with eager attention (the baseline: the
+    bfloat16 model with SDPA, eager for Gemma 2), then greedy generate() of 32 tokens after a
+    512-token prompt, in float32, giving SDPA's (eager's) tokens."""
+    config, baseline_impl = _real_configs()[name]
+    registered("auto")
+    torch.manual_seed(int(rng.integers(2**31)))
+    models = [transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                            attn_implementation=impl)
+              for impl in ("numba_flash", baseline_impl, "eager")]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    models = [model.to("cuda", dtype) for model, dtype in
+              zip(models, (torch.bfloat16, torch.bfloat16, torch.float64))]
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    ids = torch.randint(0, config.vocab_size, (1, 4096), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    (got, base, ref) = (_step(model, ids, mask) for model in models)
+
+    def host(x):
+        return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
+    assert_within_rule("logits", host(got[0]), host(base[0]), host(ref[0]), "bfloat16")
+    for param in ref[1]:
+        assert_within_rule(param, host(got[1][param]), host(base[1][param]),
+                           host(ref[1][param]), "bfloat16")
+    prompt = ids[:, :512]
+    options = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    with torch.no_grad():  # (in float32: bfloat16's rounding would make near-ties a coin toss)
+        tokens = [model.float().generate(prompt, attention_mask=torch.ones_like(prompt),
+                                         **options) for model in models[:2]]
+    assert torch.equal(tokens[0], tokens[1])

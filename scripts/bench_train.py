@@ -1,0 +1,112 @@
+"""Training throughput of a small Llama-style model (transformers) with each attention.
+
+One process, one model at a time with the same random weights (no download): tokens per
+second of forward + backward + AdamW step in bfloat16, for attn_implementation
+"numba_flash" (numba_flash.integrations.transformers), "sdpa" restricted to one SDPA
+backend (flash, cudnn) and "eager"; CUDA events around --steps steps after --warmup, and the
+peak memory torch allocated. Needs a CUDA GPU, torch and transformers.
+
+    python scripts/bench_train.py [--layers 12] [--d-model 1024] [--heads 16] [--kv-heads 4]
+                                  [--seqlen 4096] [--batch 1] [--json results.json]
+"""
+import argparse
+import contextlib
+import json
+import sys
+
+IMPLEMENTATIONS = ("numba_flash", "sdpa-flash", "sdpa-cudnn", "eager")
+
+
+def build(transformers, torch, args, implementation):
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=args.d_model, intermediate_size=args.d_model * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=args.seqlen,
+        attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation.split("-")[0])
+    return model.to("cuda", torch.bfloat16).train()
+
+
+def sdpa_backend(torch, implementation):
+    """A context that restricts SDPA to one backend ("sdpa-flash", "sdpa-cudnn")."""
+    if not implementation.startswith("sdpa-"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kind = {"flash": SDPBackend.FLASH_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}[implementation.split("-")[1]]
+    return sdpa_kernel([kind])
+
+
+def tokens_per_second(torch, model, args):
+    """(tokens / s, ms per step, peak GiB) of training steps on random tokens."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
+
+    def step():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        step()
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / args.steps
+    return (args.batch * args.seqlen / (ms / 1e3), ms,
+            torch.cuda.max_memory_allocated() / 2**30)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
+                        choices=IMPLEMENTATIONS)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    import torch
+    import transformers
+    if not torch.cuda.is_available():
+        print("bench_train.py needs a CUDA GPU")
+        return 2
+    import numba_flash.integrations.transformers as numba_transformers
+    numba_transformers.register()
+    print(f"Llama-style: {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
+          f"({args.kv_heads} kv), seq {args.seqlen}, batch {args.batch}, bfloat16, AdamW")
+    results = {}
+    for implementation in args.implementations:
+        model = build(transformers, torch, args, implementation)
+        try:
+            with sdpa_backend(torch, implementation):
+                rate, ms, peak = tokens_per_second(torch, model, args)
+            results[implementation] = {"tokens_per_s": rate, "ms_per_step": ms, "peak_gib": peak}
+            print(f"{implementation:12s} {rate:10.0f} tokens/s  {ms:8.1f} ms/step  "
+                  f"{peak:6.1f} GiB", flush=True)
+        except Exception as exc:  # a peer that cannot run this configuration
+            results[implementation] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            print(f"{implementation:12s} skipped ({results[implementation]['error']})")
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
