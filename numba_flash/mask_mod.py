@@ -17,20 +17,24 @@ import ast
 import inspect
 import textwrap
 import threading
-from typing import NamedTuple
-
 import numpy as np
 
 from . import _arrays
 
 
-class MaskModProgram(NamedTuple):
+class MaskModProgram:
     """function(b, h, q_idx, kv_idx, *captured arrays) -> bool; `captured`: the arrays'
-    names, in parameter order; `name`: mask_mod's, for messages. Hashed by the function's
-    identity (the kernels' cache key: one program per code and constants)."""
-    function: object
-    captured: tuple
-    name: str
+    names, in parameter order; `name`: mask_mod's, for messages. Compared and hashed by
+    identity: one program per code and constants, so that two programs whose function is
+    the same object (a mask_mod without arrays, whose global number changed) are still two
+    specs and two sets of kernels."""
+    __slots__ = ("function", "captured", "name")
+
+    def __init__(self, function, captured, name):
+        self.function, self.captured, self.name = function, tuple(captured), name
+
+    def __repr__(self):
+        return f"MaskModProgram({self.name}, captured={self.captured})"
 
 
 #: program per (code, constants, captured names); past this many the oldest goes
@@ -51,16 +55,30 @@ def lower(mask_mod):
             arrays.append(value)
         else:
             constants.append((name, _constant_key(mask_mod, name, value)))
+    defaults = _defaults(mask_mod)
+    constants += [(f"{name}=", _constant_key(mask_mod, name, value)) for name, value in defaults]
     key = (mask_mod.__code__, tuple(constants), tuple(names))
     program = _programs.get(key)
     if program is None:
-        program = MaskModProgram(_with_parameters(mask_mod, names) if names else mask_mod,
-                                 tuple(names), _name(mask_mod))
+        program = MaskModProgram(_with_parameters(mask_mod, names, defaults) if names
+                                 else mask_mod, names, _name(mask_mod))
         with _lock:
             if len(_programs) >= MAX_PROGRAMS:
                 del _programs[next(iter(_programs))]
             program = _programs.setdefault(key, program)
     return program, tuple(arrays)
+
+
+def _defaults(mask_mod):
+    """(name, default) of mask_mod's parameters after the four indices (keyword-only ones
+    too): constants of the program, like the names it captures."""
+    code = mask_mod.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    defaults = mask_mod.__defaults__ or ()
+    named = [(name, value) for name, value in zip(positional[len(positional) - len(defaults):],
+                                                  defaults)
+             if positional.index(name) >= 4]
+    return named + sorted((mask_mod.__kwdefaults__ or {}).items())
 
 
 def _is_array(value):
@@ -110,37 +128,72 @@ _BY_VALUE = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 def _constant_key(mask_mod, name, value):
     """What of a captured non-array value the program depends on: numbers and strings (and
-    tuples of them) by value, anything else (functions, modules) by identity."""
+    tuples of them) by type and repr (so that 1, True and 1.0, or 0.0 and -0.0, differ),
+    anything else (functions, modules) by identity. An array mask_mod would reach through
+    the value (inside a tuple, list or dict, through a module attribute, in a function it
+    calls) would be compiled in as a constant: a TypeError."""
     if isinstance(value, _BY_VALUE):
-        return type(value), value
-    if isinstance(value, (tuple, list)):
-        if any(_is_array(x) for x in value):
-            raise TypeError(f"mask_mod {_name(mask_mod)!r} captures arrays inside {name!r}: "
-                            f"capture each array by its own name")
-        if all(isinstance(x, _BY_VALUE) for x in value):
-            return type(value), tuple(value)
-    if inspect.isfunction(value):
-        inner = [n for n, x in _captured(value) if _is_array(x)]
-        if inner:
-            raise TypeError(f"mask_mod {_name(mask_mod)!r} calls {name!r}, which captures the "
-                            f"array {inner[0]!r}: capture arrays in mask_mod itself")
+        return type(value), repr(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(x, _BY_VALUE) for x in value):
+        return type(value), tuple((type(x), repr(x)) for x in value)
+    hidden = _array_within(value, mask_mod.__code__.co_names, set())
+    if hidden:
+        raise TypeError(f"mask_mod {_name(mask_mod)!r} reaches an array through {name!r} "
+                        f"({hidden}): the kernels would hold it as a constant; capture each "
+                        f"array by its own name in mask_mod itself")
     return _Same(value)
 
 
-def _with_parameters(mask_mod, names):
-    """mask_mod's code recompiled with `names` as trailing parameters (its other captured
-    names as globals of the new function)."""
+def _array_within(value, names, seen):
+    """Where an array is reachable through value (None if nowhere): items of a tuple, list
+    or dict, a module's attributes among `names`, what a function (or a Numba dispatcher's
+    Python function) captures, recursively."""
+    if id(value) in seen:
+        return None
+    seen.add(id(value))
+    if isinstance(value, (tuple, list)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif inspect.ismodule(value):
+        items = ((n, getattr(value, n)) for n in names if hasattr(value, n))
+    else:
+        function = getattr(value, "py_func", value)  # (a cuda.jit device function)
+        if not inspect.isfunction(function):
+            return None
+        items = _captured(function)
+        names = function.__code__.co_names
+    for label, item in items:
+        if _is_array(item):
+            return f"the array {label!r}"
+        inner = _array_within(item, names, seen)
+        if inner:
+            return f"{label!r}: {inner}"
+    return None
+
+
+def _with_parameters(mask_mod, names, defaults):
+    """mask_mod's code recompiled with `names` as trailing parameters after its four
+    indices; its other captured names, and its parameters' defaults, as globals of the new
+    function."""
     node = _definition(mask_mod)
     module = ast.parse("def _mask_mod_program():\n    pass\n")
     function = module.body[0]
-    function.args = node.args
-    function.args.args = node.args.args + [ast.arg(arg=name) for name in names]
-    function.body = ([ast.Return(node.body)] if isinstance(node, ast.Lambda) else node.body)
+    indices = (node.args.posonlyargs + node.args.args)[:4]
+    function.args = ast.arguments(posonlyargs=[], args=indices + [ast.arg(arg=n) for n in names],
+                                  vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None,
+                                  defaults=[])
+    body = [ast.Return(node.body)] if isinstance(node, ast.Lambda) else node.body
+    fixed = [ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
+                        value=ast.Name(id=f"_default_{name}", ctx=ast.Load()))
+             for name, _ in defaults]
+    function.body = fixed + body
     ast.copy_location(function, node)
     module = ast.fix_missing_locations(module)
     namespace = {"__builtins__": mask_mod.__globals__.get("__builtins__", __builtins__)}
     namespace.update((name, value) for name, value in _captured(mask_mod)
                      if name not in names)
+    namespace.update((f"_default_{name}", value) for name, value in defaults)
     exec(compile(module, mask_mod.__code__.co_filename, "exec"), namespace)
     program = namespace["_mask_mod_program"]
     program.__name__ = program.__qualname__ = _name(mask_mod)

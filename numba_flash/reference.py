@@ -18,6 +18,7 @@ alone (`per_sequence`).
 import dataclasses
 
 from numba_flash.extras import NO_EXTRAS
+from numba_flash.mask_mod import MaskModProgram
 
 
 def visible(xp, spec, seqlen_q, seqlen_k):
@@ -152,7 +153,7 @@ def at_sequence(program, b):
     sees it."""
     def sequence_mask_mod(_, h, q_idx, kv_idx, *captured):
         return program.function(b, h, q_idx, kv_idx, *captured)
-    return program._replace(function=sequence_mask_mod)
+    return MaskModProgram(sequence_mask_mod, program.captured, program.name)
 
 
 def _mask_4d(xp, attn_mask):

@@ -17,8 +17,8 @@ the Hugging Face hub) with this module's `flash_attn_func` and `flash_attn_varle
 which take flash-attn's arguments. No paged-cache function (`flash_attn_with_kvcache`):
 transformers' continuous batching does not take this implementation.
 
-Dropout inside attention is refused (`attention_dropout` > 0 while training): numba_flash
-has none yet. Tested with transformers 5.2x.
+Dropout inside attention (`attention_dropout` > 0 while training) and attention sinks
+(`s_aux`) are refused: numba_flash has neither yet. Tested with transformers 5.2x.
 """
 import functools
 
@@ -57,7 +57,10 @@ def _answering_for_us(original):
     return lazy_imports
 
 
-def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux):
+    if s_aux is not None:  # (declared so that transformers passes sinks here, not drops them)
+        raise ValueError("s_aux (attention sinks) is not supported by numba_flash yet: use "
+                         "another attn_implementation for this model")
     if dropout_p:
         raise ValueError(f"dropout_p must be 0.0: numba_flash has no attention dropout yet (set "
                          f"the model config's attention_dropout to 0); got {dropout_p!r}")
@@ -67,20 +70,22 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    s_aux=None):
     """flash-attn's flash_attn_func (q (batch, seqlen, nheads, headdim), k and v with
     nheads_kv heads) through numba_flash.torch.attention; always deterministic."""
     return numba_torch.attention(q, k, v, **_options(dropout_p, softmax_scale, causal,
-                                                     window_size, softcap, alibi_slopes))
+                                                     window_size, softcap, alibi_slopes, s_aux))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False):
+                           deterministic=False, s_aux=None):
     """flash-attn's flash_attn_varlen_func (packed (total, nheads, headdim) arrays, int32
-    cu_seqlens) through numba_flash.torch.attention_varlen."""
+    cu_seqlens) through numba_flash.torch.attention_varlen (no torch.library op: under
+    torch.compile a padded or packed batch breaks the graph there)."""
     return numba_torch.attention_varlen(
         q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
         int(max_seqlen_k), **_options(dropout_p, softmax_scale, causal, window_size, softcap,
-                                      alibi_slopes))
+                                      alibi_slopes, s_aux))

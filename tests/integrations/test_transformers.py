@@ -126,11 +126,14 @@ def test_greedy_generation_gives_the_references_tokens(registered, rng, name):
     assert torch.equal(got, want)
 
 
-def test_the_flash_functions_refuse_dropout_and_bad_backends():
+def test_the_flash_functions_refuse_dropout_sinks_and_bad_backends():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="dropout_p must be 0.0: numba_flash has no attention "
                                          "dropout yet"):
         numba_transformers.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="s_aux \\(attention sinks\\) is not supported"):
+        numba_transformers.flash_attn_varlen_func(q[0], q[0], q[0], *[torch.tensor(
+            [0, 4], dtype=torch.int32)] * 2, 4, 4, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         numba_transformers.register(backend="fast")
 

@@ -55,11 +55,46 @@ def test_closures_of_one_code_over_other_arrays_make_one_program(rng):
         q, k, mask_mod=documents_of(second))
 
 
+LIMIT = 3
+
+
+def below_the_limit(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx < LIMIT
+
+
 def test_a_changed_number_makes_another_program_and_the_same_one_the_same():
+    global LIMIT
     assert lower(windowed(3))[0] is lower(windowed(3))[0]
     assert lower(windowed(3))[0] is not lower(windowed(4))[0]
     assert lower(windowed(3))[0] is not lower(windowed(3.0))[0]  # (another type)
     assert lower(windowed(3))[1] == ()
+    before = lower(below_the_limit)[0]
+    LIMIT = 4  # (a global rebound: the same function object, another program and spec)
+    try:
+        after = lower(below_the_limit)[0]
+    finally:
+        LIMIT = 3
+    assert after is not before and after != before and after.function is before.function
+
+
+def test_defaults_are_constants_and_arrays_follow_the_four_indices(rng):
+    """Lambdas made in a loop with a default (w=w) are programs of their own; a mask_mod
+    with a defaulted parameter and a captured array takes the array after the indices."""
+    narrow, wide = (lambda b, h, q_idx, kv_idx, w=w: q_idx - kv_idx < w for w in (1, 8))
+    assert lower(narrow)[0] is not lower(wide)[0]
+    ids = _ids(rng)
+
+    def document_window(b, h, q_idx, kv_idx, width=4):
+        return ids[q_idx] == ids[kv_idx] and q_idx - kv_idx < width
+    program, arrays = lower(document_window)
+    assert program.captured == ("ids",) and arrays[0] is ids
+    q, k, v = _qkv(rng)
+    rows, cols = np.arange(SEQLEN)[:, None], np.arange(SEQLEN)[None, :]
+    for mask_mod, mask in ((narrow, rows - cols < 1), (wide, rows - cols < 8),
+                           (document_window, (ids[:, None] == ids[None, :]) & (rows - cols < 4))):
+        got = numba_flash.forward(q, k, v, mask_mod=mask_mod, backend="numpy")
+        want = numba_flash.forward(q, k, v, attn_mask=mask[None, None], backend="numpy")
+        np.testing.assert_array_equal(got[0], want[0])
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba-simt"])
@@ -158,10 +193,21 @@ def _array_in_a_tuple():
     return in_tuple
 
 
+def _array_in_a_module():
+    import types
+    module = types.ModuleType("documents")
+    module.IDS = np.arange(4)
+
+    def through_module(b, h, q_idx, kv_idx):
+        return module.IDS[q_idx] == module.IDS[kv_idx]
+    return through_module
+
+
 @pytest.mark.parametrize("make, message", [
     (_no_source, "mask_mod 'hidden' captures arrays, so its source is needed"),
-    (_helper_with_array, "calls 'helper', which captures the array 'ids'"),
-    (_array_in_a_tuple, "captures arrays inside 'pair'"),
+    (_helper_with_array, "reaches an array through 'helper' \\(the array 'ids'\\)"),
+    (_array_in_a_tuple, "reaches an array through 'pair' \\(the array 0\\)"),
+    (_array_in_a_module, "reaches an array through 'module' \\(the array 'IDS'\\)"),
 ])
 def test_what_cannot_be_lowered_is_named(rng, make, message):
     q, k, v = _qkv(rng)
