@@ -11,7 +11,8 @@ arrays of the same code, or a global rebound to a new array, compiles nothing an
 new values; a changed constant makes a new program.
 
 The program is built from mask_mod's source (inspect.getsource), which a function that
-captures arrays must have; a function it calls must not capture arrays itself.
+captures arrays must have; an array it would reach other than by its own name (in a
+container, a module, a function it calls) is refused, since it would be compiled in.
 """
 import ast
 import inspect
