@@ -294,13 +294,8 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
     prepared = _prepared.get(key)
     if prepared is not None:
         return prepared
-    argtypes, parameters, pointer_slots = [], [], []
-    for arg in args:
-        argtype, values, slots = _argument(arg)
-        pointer_slots.extend(len(parameters) + slot for slot in slots)
-        argtypes.append(argtype)
-        parameters.extend(values)
-    argtypes = tuple(argtypes)
+    arguments, parameters, pointer_slots = _argument(tuple(args))  # (packed as one tuple is)
+    argtypes = tuple(arguments.types)
     compiled = _compiled.get((kernel, argtypes, device)) or _compile(kernel, argtypes, device)
     if shared_bytes > compiled.shared_limit[0]:
         _opt_in(compiled, shared_bytes, device)
