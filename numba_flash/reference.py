@@ -98,27 +98,30 @@ def biased_and_masked(xp, s, spec, extras, dtype):
         given = _mask_4d(xp, extras.attn_mask)
         mask = given if mask is None else mask & given
     if spec.mask_mod is not None:
-        given = mask_mod_grid(xp, _bound(xp, spec.mask_mod, extras.mask_mod_arrays), *s.shape)
+        given = mask_mod_grid(xp, spec.mask_mod, extras.mask_mod_arrays, *s.shape)
         mask = given if mask is None else mask & given
     if mask is None:
         return s
     return xp.where(mask, s, xp.asarray(-xp.inf, dtype))
 
 
-def mask_mod_grid(xp, mask_mod, batch, nheads, seqlen_q, seqlen_k):
-    """mask_mod(b, h, q_idx, kv_idx) at every index, booleans broadcastable to (batch,
-    nheads, seqlen_q, seqlen_k): called once on broadcasting index arrays (what a mask made
-    of comparisons, & and | and indexing does), else once per index with Python ints."""
+def mask_mod_grid(xp, program, captured, batch, nheads, seqlen_q, seqlen_k):
+    """A MaskModProgram's mask_mod(b, h, q_idx, kv_idx) at every index, booleans
+    broadcastable to (batch, nheads, seqlen_q, seqlen_k): called once on broadcasting index
+    arrays (what a mask made of comparisons, & and | and indexing does), else once per index
+    with Python ints, reading host copies of the captured arrays (a device array's element
+    would cost a synchronisation each)."""
+    import numpy as np
     shape = (batch, nheads, seqlen_q, seqlen_k)
     indices = [xp.arange(n).reshape([n if i == axis else 1 for i in range(4)])
                for axis, n in enumerate(shape)]
     try:
-        grid = xp.asarray(mask_mod(*indices))
+        grid = xp.asarray(_bound(xp, program, captured)(*indices))
         if grid.dtype == bool and len(grid.shape) <= 4:
             return xp.broadcast_to(grid, shape)
     except Exception:  # (e.g. `if` or `and` on an array: one index at a time below)
         pass
-    import numpy as np
+    mask_mod = _bound(np, program, captured)
     try:
         values = [bool(_boolean(mask_mod(*index))) for index in np.ndindex(*shape)]
     except TypeError:

@@ -130,7 +130,7 @@ def _mask_mod(cp, rng, kind, length):
     shift = cp.asarray(rng.integers(0, 3, 64), cp.int32)
 
     def striped(b, h, q_idx, kv_idx):
-        return (kv_idx // 48 + shift[b * 8 + h]) % 3 != 0 or q_idx % 97 == kv_idx % 97
+        return ((kv_idx // 48 + shift[b * 8 + h]) % 3 != 0) | (q_idx % 97 == kv_idx % 97)
     return striped
 
 
