@@ -19,6 +19,15 @@ from numba_flash import api, spec, torch_ops
 from numba_flash.spec import NO_WINDOW
 
 
+def _op_options(causal, softmax_scale, window_size, softcap, head_dim):
+    """(causal, scale, window_left, window_right, softcap) as the torch.library ops take them:
+    checked here, uncached (dynamo traces these checks), causal folded into the window."""
+    left, right = spec.check_window_size(window_size)
+    causal = spec.check_causal(causal) or right == 0
+    return (causal, spec.resolve_softmax_scale(softmax_scale, head_dim), left,
+            0 if causal else right, spec.check_softcap(softcap))
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """autograd wrapper of numba_flash.forward / numba_flash.backward: eager calls, and calls
     with a mask_mod (which the torch.library ops of numba_flash/torch_ops.py cannot take)."""
@@ -48,12 +57,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     if mask_mod is None and block_mask is None and torch.compiler.is_compiling():
         # (the torch.library op under torch.compile; in eager mode the autograd Function below,
         # whose dispatch costs ~14 µs a call where the op's costs ~110 µs)
-        left, right = spec.check_window_size(window_size)  # (the options' checks, uncached:
-        causal = spec.check_causal(causal) or right == 0  # dynamo traces them)
-        scale = spec.resolve_softmax_scale(softmax_scale, q.shape[-1])
-        return torch_ops.forward(q, k, v, causal, scale, left, 0 if causal else right,
-                                 spec.check_softcap(softcap), alibi_slopes, attn_mask,
-                                 backend)[0]
+        return torch_ops.forward(q, k, v, *_op_options(causal, softmax_scale, window_size,
+                                                       softcap, q.shape[-1]),
+                                 alibi_slopes, attn_mask, backend)[0]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
                    mask_mod=mask_mod, block_mask=block_mask, backend=backend)
@@ -82,8 +88,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      alibi_slopes=None, mask_mod=None, backend="auto"):
     """Differentiable attention of packed sequences (torch tensors; see
     numba_flash.forward_varlen): q (total_q, H, D), k, v (total_k, H_kv, D), int32
-    cu_seqlens (B + 1,). Returns the output only."""
+    cu_seqlens (B + 1,). Returns the output only. Under torch.compile, without a mask_mod,
+    it calls the torch.library op numba_flash::forward_varlen (max_seqlen_q and max_seqlen_k
+    are ints of the graph)."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if mask_mod is None and torch.compiler.is_compiling():
+        return torch_ops.forward_varlen(q, k, v, *varlen,
+                                        *_op_options(causal, softmax_scale, window_size,
+                                                     softcap, q.shape[-1]),
+                                        alibi_slopes, backend)[0]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, backend=backend)
     return FlashAttentionVarlenFunction.apply(q, k, v, varlen, options)

@@ -1,12 +1,13 @@
 """numba_flash as torch.library custom ops: `numba_flash::forward` and `numba_flash::backward`,
-with fake (meta) implementations for tracing and an autograd formula, so that torch.compile
-(fullgraph=True included) traces a model that calls numba_flash.torch.attention without a
-graph break and torch.library.opcheck accepts them.
+and `numba_flash::forward_varlen` / `numba_flash::backward_varlen` for packed sequences, with
+fake (meta) implementations for tracing and autograd formulas, so that torch.compile
+(fullgraph=True included) traces a model that calls numba_flash.torch.attention or
+attention_varlen without a graph break and torch.library.opcheck accepts them.
 
 The ops take the call's options as plain values (the spec's: causal, the resolved softmax
 scale, the window's sides, softcap) and the optional alibi_slopes and attn_mask tensors; a
-mask_mod, a Python function, has no place in an op's schema, so numba_flash.torch.attention
-takes its autograd Function for those calls. The lse output gets no gradient.
+mask_mod, a Python function, has no place in an op's schema, so numba_flash.torch takes its
+autograd Functions for those calls. The lse output gets no gradient.
 """
 from typing import Optional
 
@@ -15,11 +16,10 @@ import torch
 from numba_flash import api
 
 
-def _options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-             attn_mask, backend):
+def _options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
     return dict(causal=causal, softmax_scale=softmax_scale,
                 window_size=(window_left, window_right), softcap=softcap,
-                alibi_slopes=alibi_slopes, attn_mask=attn_mask, backend=backend)
+                alibi_slopes=alibi_slopes, backend=backend)
 
 
 @torch.library.custom_op("numba_flash::forward", mutates_args=())
@@ -28,9 +28,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """numba_flash.forward: (out like q, lse float32 (batch, nheads, seqlen_q))."""
-    options = _options(causal, softmax_scale, window_left, window_right, softcap,
-                       alibi_slopes, attn_mask, backend)
-    return api.forward(q, k, v, **options)
+    return api.forward(q, k, v, attn_mask=attn_mask,
+                       **_options(causal, softmax_scale, window_left, window_right, softcap,
+                                  alibi_slopes, backend))
 
 
 @forward.register_fake
@@ -47,13 +47,50 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              alibi_slopes: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """numba_flash.backward: (dq, dk, dv) like q, k, v."""
-    return api.backward(dout, q, k, v, out, lse,
+    return api.backward(dout, q, k, v, out, lse, attn_mask=attn_mask,
                         **_options(causal, softmax_scale, window_left, window_right, softcap,
-                                   alibi_slopes, attn_mask, backend))
+                                   alibi_slopes, backend))
 
 
 @backward.register_fake
 def _backward_fake(dout, q, k, v, out, lse, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("numba_flash::forward_varlen", mutates_args=())
+def forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int,
+                   window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """numba_flash.forward_varlen: (out like q, lse float32 (nheads, total_q))."""
+    return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              **_options(causal, softmax_scale, window_left, window_right,
+                                         softcap, alibi_slopes, backend))
+
+
+@forward_varlen.register_fake
+def _forward_varlen_fake(q, k, v, *varlen_and_options):
+    total_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("numba_flash::backward_varlen", mutates_args=())
+def backward_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                    softcap: float, alibi_slopes: Optional[torch.Tensor],
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """numba_flash.backward_varlen: (dq, dk, dv) like q, k, v."""
+    return api.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k,
+                               **_options(causal, softmax_scale, window_left, window_right,
+                                          softcap, alibi_slopes, backend))
+
+
+@backward_varlen.register_fake
+def _backward_varlen_fake(dout, q, k, v, out, lse, *varlen_and_options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -65,10 +102,16 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward_formula(ctx, dout, _):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = backward(dout, q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * len(ctx.options)
+def _autograd_formula(backward_op):
+    """The backward of a forward op whose inputs are (q, k, v, *options) and whose backward op
+    takes (dout, q, k, v, out, lse, *options): gradients for q, k, v only."""
+    def formula(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, *ctx.options)
+        return (dq, dk, dv) + (None,) * len(ctx.options)
+    return formula
 
 
-forward.register_autograd(_backward_formula, setup_context=_setup_context)
+forward.register_autograd(_autograd_formula(backward), setup_context=_setup_context)
+forward_varlen.register_autograd(_autograd_formula(backward_varlen),
+                                 setup_context=_setup_context)

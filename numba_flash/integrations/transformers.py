@@ -83,8 +83,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, s_aux=None):
     """flash-attn's flash_attn_varlen_func (packed (total, nheads, headdim) arrays, int32
-    cu_seqlens) through numba_flash.torch.attention_varlen (no torch.library op: under
-    torch.compile a padded or packed batch breaks the graph there)."""
+    cu_seqlens) through numba_flash.torch.attention_varlen."""
     return numba_torch.attention_varlen(
         q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
         int(max_seqlen_k), **_options(dropout_p, softmax_scale, causal, window_size, softcap,

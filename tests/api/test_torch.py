@@ -242,21 +242,47 @@ def test_the_torch_library_ops_pass_opcheck(rng):
                           (dout, q, k, v, out, lse, *options))
 
 
+def test_the_varlen_torch_library_ops_pass_opcheck(rng):
+    """numba_flash::forward_varlen and ::backward_varlen, as the dense ops above (three
+    packed sequences, one without keys; GQA 2; a window and softcap)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    cu_q, cu_k = torch.tensor([0, 3, 8, 9], dtype=torch.int32), torch.tensor(
+        [0, 4, 4, 11], dtype=torch.int32)
+    q = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(11, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    args = (cu_q, cu_k, 5, 7, False, 0.35, 3, 1, 2.0, None, "numpy")
+    torch.library.opcheck(torch.ops.numba_flash.forward_varlen.default, (q, k, v, *args))
+    out, lse = torch.ops.numba_flash.forward_varlen(q, k, v, *args)
+    assert out.shape == q.shape and lse.shape == (4, 9) and lse.dtype == torch.float32
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.numba_flash.backward_varlen.default,
+                          (dout, q, k, v, out, lse, *args))
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_torch_compile_traces_a_model_in_one_graph(rng, mode):
-    """A model calling numba_flash.torch.attention compiles with fullgraph=True (no graph
-    break: the call is the numba_flash::forward op) and gives eager's output and gradients
-    (under the simulator through the numpy backend: the op is the same for every backend,
-    and the other tests here run the kernels through it)."""
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_torch_compile_traces_a_model_in_one_graph(rng, mode, packed):
+    """A model calling numba_flash.torch.attention (or attention_varlen on packed sequences)
+    compiles with fullgraph=True (no graph break: the call is the numba_flash::forward or
+    ::forward_varlen op) and gives eager's output and gradients (under the simulator through
+    the numpy backend: the op is the same for every backend, and the other tests here run the
+    kernels through it)."""
     device = "cuda" if mode == "gpu" else "cpu"
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     (batch, seqlen, width), heads = ((1, 6, 16), 2) if mode == "simulator" else ((2, 500, 256), 4)
     backend, dtype = ("numpy", torch.float64) if mode == "simulator" else ("numba", torch.float32)
     proj = torch.nn.Linear(width, 3 * width, dtype=dtype).to(device)
     x = torch.randn(batch, seqlen, width, generator=gen, dtype=dtype).to(device)
+    lengths = [seqlen // 3, 0, seqlen - seqlen // 3]  # (packed: the batch's rows as 3 sequences)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device=device)
 
     def model(x):
         q, k, v = proj(x).unflatten(-1, (3, heads, width // heads)).unbind(2)
+        if packed:
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            return numba_flash.torch.attention_varlen(
+                q, k, v, cu, cu, max(lengths), max(lengths), causal=True, softcap=5.0,
+                backend=backend).sum(dim=(1, 2))
         return numba_flash.torch.attention(q, k, v, causal=True, softcap=5.0,
                                            backend=backend).sum(dim=(2, 3))
 
