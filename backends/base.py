@@ -33,6 +33,15 @@ class Backend:
         """Return (dq, dk, dv), each with the shape and dtype of q, k, v."""
         raise NotImplementedError
 
+    def supports_kvcache(self, spec, q, k_cache):
+        """None if this backend can run numba_flash.forward_kvcache's call, else why not."""
+        return "it has no KV-cache attention"
+
+    def forward_kvcache(self, spec, q, cache, extras=NO_EXTRAS):
+        """(out, lse) of numba_flash.forward_kvcache: cache is its numba_flash.kvcache.KVCache
+        (new tokens appended in place first)."""
+        raise NotImplementedError
+
     def forward_and_replay(self, spec, q, k, v, extras=NO_EXTRAS):
         """(forward's result, replay): replay(q, k, v, *extras.arrays()) repeats the call on
         new arrays of the same signature (spec, shapes, strides, dtypes, device, library,

@@ -8,6 +8,7 @@ from numba_flash import _arrays
 from numba_flash.backends.base import Backend
 from numba_flash.extras import NO_EXTRAS
 from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.reference_kvcache import append, attention_forward_kvcache
 
 # Peak number of (batch, nheads, seqlen_q, seqlen_k) temporaries alive at once (scores, the
 # masked/shifted copy, P, and dS in the backward), used for the memory estimate.
@@ -45,7 +46,8 @@ class CupyStandardBackend(Backend):
         batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
         return SCORE_COPIES * batch * nheads * seqlen_q * int(k.shape[1]) * itemsize
 
-    def supports(self, spec, q, k, v):
+    def _takes(self, q):
+        """None if CuPy runs here and takes q's kind of array and dtype, else why not."""
         reason = self.available()
         if reason:
             return reason
@@ -53,6 +55,12 @@ class CupyStandardBackend(Backend):
             return "it runs on the GPU and takes device arrays (CuPy, torch, Numba) only"
         if _arrays.dtype_name(q) not in self.dtypes:
             return f"dtype {_arrays.dtype_name(q)} is not supported (it supports {self.dtypes})"
+        return None
+
+    def supports(self, spec, q, k, v):
+        reason = self._takes(q)
+        if reason:
+            return reason
         need = self.score_bytes(spec, q, k)
         free = _cupy().cuda.Device(_arrays.device_id(q)).mem_info[0]
         if need > free:
@@ -78,6 +86,23 @@ class CupyStandardBackend(Backend):
             arrays = [cupy.asarray(_arrays.detached(x)) for x in (dout, q, k, v, out, lse)]
             grads = attention_backward(cupy, *arrays, spec, dtype, _on_gpu(cupy, extras))
             return tuple(cupy.ascontiguousarray(g) for g in grads)
+
+    def supports_kvcache(self, spec, q, k_cache):
+        return self._takes(q)
+
+    def forward_kvcache(self, spec, q, cache, extras=NO_EXTRAS):
+        """One sequence at a time: scores of (nheads, seqlen_q, seqlen_k) per sequence."""
+        cupy = _cupy()
+        with cupy.cuda.Device(_arrays.device_id(q)):
+            arrays = [cupy.asarray(_arrays.detached(x)) for x in (q, cache.k_cache, cache.v_cache)]
+            new = [None if x is None else cupy.asarray(_arrays.detached(x))
+                   for x in (cache.k_new, cache.v_new)]
+            cache = cache._replace(k_cache=arrays[1], v_cache=arrays[2], k_new=new[0],
+                                   v_new=new[1])
+            append(cache)
+            out, lse = attention_forward_kvcache(cupy, *arrays, cache, spec,
+                                                 self._compute_dtype(q), _on_gpu(cupy, extras))
+            return cupy.ascontiguousarray(out), lse.astype(cupy.float32)
 
 
 def _on_gpu(cupy, extras):

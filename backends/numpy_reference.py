@@ -10,6 +10,7 @@ from numba_flash import _arrays
 from numba_flash.backends.base import Backend
 from numba_flash.extras import NO_EXTRAS
 from numba_flash.reference import attention_backward, attention_forward
+from numba_flash.reference_kvcache import append, attention_forward_kvcache
 
 
 class NumpyReferenceBackend(Backend):
@@ -32,6 +33,15 @@ class NumpyReferenceBackend(Backend):
         arrays = [_arrays.as_numpy(x) for x in (dout, q, k, v, out, lse)]
         grads = attention_backward(np, *arrays, spec, np.float64, _host(extras))
         return tuple(_arrays.host_like(g, x) for g, x in zip(grads, (q, k, v)))
+
+    def supports_kvcache(self, spec, q, k_cache):
+        return self.supports(spec, q, k_cache, k_cache)
+
+    def forward_kvcache(self, spec, q, cache, extras=NO_EXTRAS):
+        append(cache)
+        arrays = [_arrays.as_numpy(x) for x in (q, cache.k_cache, cache.v_cache)]
+        out, lse = attention_forward_kvcache(np, *arrays, cache, spec, np.float64, _host(extras))
+        return _arrays.host_like(out, q), _arrays.host_like(lse, q, "float32")
 
 
 def _host(extras):

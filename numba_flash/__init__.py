@@ -8,6 +8,7 @@ loaded the first time they are used.
 """
 from numba_flash.api import attention, backward, backward_varlen, forward, forward_varlen
 from numba_flash.block_mask import BlockMask, block_mask
+from numba_flash.kvcache import forward_kvcache
 from numba_flash.merge import merge
 from numba_flash.registry import (
     available_backends,
@@ -25,6 +26,7 @@ __all__ = [
     "attention",
     "forward_varlen",
     "backward_varlen",
+    "forward_kvcache",
     "block_mask",
     "BlockMask",
     "merge",

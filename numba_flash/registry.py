@@ -94,22 +94,25 @@ def select_backend(q, k, v, *, backend=AUTO, alibi_slopes=None, attn_mask=None, 
     return _select(backend, spec, q, k, v)
 
 
-def _select(backend, spec, q, k, v):
+def _select(backend, spec, q, k, v, kvcache=False):
     _check_name(backend)
     name = default_backend() if backend == AUTO else backend
     candidates = list(BACKEND_MODULES) if name == AUTO else [name]
     skipped = {}
     for candidate in candidates:
-        reason = get_backend(candidate).supports(spec, q, k, v)
+        impl = get_backend(candidate)
+        reason = (impl.supports_kvcache(spec, q, k) if kvcache
+                  else impl.supports(spec, q, k, v))
         if reason is None:
             return Selection(candidate, skipped)
         skipped[candidate] = reason
     return Selection(None, skipped)
 
 
-def resolve(backend, spec, q, k, v):
-    """The backend object that will run this call; ValueError naming the reasons if none can."""
-    selection = _select(backend, spec, q, k, v)
+def resolve(backend, spec, q, k, v, kvcache=False):
+    """The backend object that will run this call (kvcache: a forward_kvcache call, k and v
+    its caches); ValueError naming the reasons if none can."""
+    selection = _select(backend, spec, q, k, v, kvcache)
     if selection.name is not None:
         return get_backend(selection.name)
     if len(selection.skipped) == 1:

@@ -33,6 +33,10 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simul
 
 from numba import cuda  # noqa: E402
 
+from numba_flash.backends.numba.decode.kernels import (  # noqa: E402
+    append_kernel, combine_kernel, decode_kernel)
+from numba_flash.backends.numba.decode.kernels import \
+    shared_bytes as decode_shared_bytes  # noqa: E402
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
 from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
 from numba_flash.backends.numba.mma.bwd import (  # noqa: E402
@@ -215,6 +219,35 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                            f"{', float32[:, :, ::1]' * 6}, Tuple(()))", dk_dv_bytes)
 
 
+def decode_kernel_cases(head_dims, dtypes):
+    """The split-KV decode family (backends/numba/decode): the decode kernel of a plain and a
+    variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, and the
+    combine and append kernels."""
+    f4, f5 = "float32[:, :, :, :]", "float32[:, :, :, :, :]"
+    for dtype in dtypes:
+        bf16 = dtype == "bfloat16"
+        a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
+        bits4 = "float32[:, :, :, :]" if dtype == "float32" else "uint16[:, :, :, :]"
+        for head_dim in head_dims:
+            specs = [("plain", AttentionSpec(head_dim=head_dim, dtype=dtype)),
+                     ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, group=4,
+                                                causal=True, window_left=256, softcap=30.0,
+                                                alibi=True))]
+            for kind, spec in specs:
+                for paged in (False, True):
+                    slopes = "float32[:, :]" if spec.alibi else "float32[:, :, :]"
+                    yield (f"decode_d{head_dim}_{kind}_{'paged' if paged else 'contiguous'}_"
+                           f"{dtype}", decode_kernel(spec, paged).py_func,
+                           f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, {f5}, "
+                           f"{f4}, float32, {slopes})", decode_shared_bytes(head_dim))
+        yield (f"decode_combine_{dtype}", combine_kernel(bf16).py_func,
+               f"({f5}, {f4}, {a4}, float32[:, :, :])", 0)
+        for paged in (False, True):
+            yield (f"decode_append_{'paged' if paged else 'contiguous'}_{dtype}",
+                   append_kernel(paged).py_func,
+                   f"({bits4}, {bits4}, {bits4}, {bits4}, int32[:, :], int32[:], int32)", 0)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", nargs="+", type=int, default=[80, 90],
@@ -227,14 +260,19 @@ def main(argv=None):
                         help="build the SIMT forward for every candidate config")
     parser.add_argument("--variants", action="store_true",
                         help="instead, the kernels of a spec with every variant (VARIANTS)")
+    parser.add_argument("--decode", action="store_true",
+                        help="instead, the split-KV decode family's kernels")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
     failed = 0
     for cc in args.cc:
-        cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
-                                  args.variants)) + list(
-            mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
+        if args.decode:
+            cases = list(decode_kernel_cases(args.head_dims, args.dtypes))
+        else:
+            cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
+                                      args.variants)) + list(
+                mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
         for name, function, signature, dynamic_bytes in cases:
             ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
             report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx,

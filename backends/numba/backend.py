@@ -5,6 +5,8 @@ the first engine whose `reason(spec, q, k, v)` is None:
   - "numba": the tensor-core engine (mma/: float16 and bfloat16 on compute capability 8.0 or
     newer), else the SIMT engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
   - "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks and tests).
+numba_flash.forward_kvcache runs on the split-KV decode kernels (decode/) on "numba" and
+"numba-simt".
 
 They take device arrays (CuPy, torch, Numba, anything with __cuda_array_interface__) and launch
 on the caller's current stream. Under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, for
@@ -20,6 +22,7 @@ from numba_flash.backends.base import Backend
 from numba_flash.extras import NO_EXTRAS
 
 from . import replay
+from .decode import engine as decode_engine
 from .gpu import simulator_enabled
 from .launch import on_device
 from .mma.engine import MmaEngine
@@ -32,6 +35,8 @@ class NumbaBackend(Backend):
     dtypes = ("float16", "bfloat16", "float32")
     #: the engines this backend may use, in order of preference
     engines = (MmaEngine(), SimtEngine())
+    #: the KV-cache kernels (decode/), or None
+    decode = decode_engine
 
     def available(self):
         """None if the kernels can run here (a CUDA GPU, or the simulator), else the reason."""
@@ -44,6 +49,16 @@ class NumbaBackend(Backend):
         return None
 
     def supports(self, spec, q, k, v):
+        reason = self._takes(spec, q)
+        return reason or self.engine(spec, q, k, v)[1]
+
+    def supports_kvcache(self, spec, q, k_cache):
+        if self.decode is None:
+            return "it has no KV-cache kernels (the numba and numba-simt backends do)"
+        return self._takes(spec, q) or self.decode.reason(spec, q)
+
+    def _takes(self, spec, q):
+        """None if the kernels run here and take q's batch, dtype and kind of array."""
         reason = self.available()
         if reason:
             return reason
@@ -59,7 +74,7 @@ class NumbaBackend(Backend):
         elif not _arrays.is_device_kind(kind):
             return ("it runs on the GPU and takes device arrays (CuPy, torch, Numba); got host "
                     "arrays: copy them to the GPU first, e.g. cupy.asarray(q)")
-        return self.engine(spec, q, k, v)[1]
+        return None
 
     def engine(self, spec, q, k, v):
         """(engine, None) for the first engine that can run the call, else (None, reasons)."""
@@ -127,6 +142,15 @@ class NumbaBackend(Backend):
                            extras)
         return out, lse
 
+    def forward_kvcache(self, spec, q, cache, extras=NO_EXTRAS):
+        batch, seqlen_q, nheads, _ = (int(s) for s in q.shape)
+        with self._on_device(q):
+            out = self._new(q, (batch, seqlen_q, nheads, spec.head_dim), spec.dtype)
+            lse = self._new(q, (batch, nheads, seqlen_q), "float32")
+            self.decode.forward_kvcache(spec, q, cache, out, lse, functools.partial(self._new, q),
+                                        self._stream(q), extras)
+        return out, lse
+
     def backward(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)
@@ -164,6 +188,7 @@ class NumbaMmaBackend(NumbaBackend):
     name = "numba-mma"
     dtypes = ("float16", "bfloat16")
     engines = (MmaEngine(run_in_simulator=True),)
+    decode = None
 
 
 class NumbaSimtBackend(NumbaBackend):

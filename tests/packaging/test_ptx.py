@@ -27,7 +27,10 @@ RUNS = [["--cc", "80", "--head-dims", "64", "128", "--dtypes", "float16", "float
          "--mma-dtypes", MMA_DTYPE[90]],
         # every variant at once, at the head dim and dtypes nearest the register limit
         ["--cc", "90", "--head-dims", "128", "--dtypes", "float32", "--mma-dtypes",
-         MMA_DTYPE[90], "--variants"]]
+         MMA_DTYPE[90], "--variants"],
+        # the split-KV decode family (KV-cache attention)
+        ["--cc", "80", "90", "--head-dims", "64", "128", "256", "--dtypes", "float16",
+         "bfloat16", "float32", "--decode"]]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,19 @@ def test_the_variant_kernels_compiled(reports):
             assert (f"mma_{kind}_d128_{variants}_bf16", 90) in seen
 
 
+def test_the_decode_kernels_compiled(reports):
+    seen = {(r["kernel"], r["cc"]) for r in reports}
+    for cc in (80, 90):
+        for dtype in ("float16", "bfloat16", "float32"):
+            for head_dim in (64, 128, 256):
+                for kind in ("plain", "variants"):
+                    for layout in ("contiguous", "paged"):
+                        assert (f"decode_d{head_dim}_{kind}_{layout}_{dtype}", cc) in seen
+            assert (f"decode_combine_{dtype}", cc) in seen
+            for layout in ("contiguous", "paged"):
+                assert (f"decode_append_{layout}_{dtype}", cc) in seen
+
+
 def test_ptxas_accepted_every_kernel(reports):
     errors = [(r["kernel"], r["cc"], r["ptxas_error"]) for r in reports if "ptxas_error" in r]
     assert not errors, errors
@@ -101,7 +117,11 @@ def test_shared_memory_fits(reports):
 def test_instructions_present(reports):
     for r in reports:
         name = r["kernel"]
-        if name.startswith("bwd_delta"):
+        if name.startswith("bwd_delta") or name.startswith("decode_combine") or \
+                name.startswith("decode_append"):
+            continue
+        if name.startswith("decode_"):  # scalar dot products over shared tiles
+            assert r["bar.sync"] > 0 and r["ex2.approx"] > 0 and r["fma.rn.f32"] >= 16, r
             continue
         assert r["bar.sync"] > 0 and r["ex2.approx"] > 0, r
         if name.startswith("mma_"):  # tensor cores fed by ldmatrix and cp.async

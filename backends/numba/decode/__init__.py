@@ -1,0 +1,1 @@
+"""The split-KV decoding kernel family (KV-cache attention): kernels.py, engine.py."""

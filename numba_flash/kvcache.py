@@ -1,0 +1,211 @@
+"""forward_kvcache: attention of a few new query tokens per sequence over a key/value cache
+(decoding, speculative decoding, chunked prefill), flash-attn's flash_attn_with_kvcache
+convention; contiguous or paged caches, new tokens appended in place.
+
+Every check runs, and every value it needs is read (cache_seqlens and block_table: one small
+copy from the GPU), before anything is written: a rejected call leaves the cache as it was.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _arrays, _checks, registry
+from .extras import NO_EXTRAS, Extras, host_values
+from .spec import NO_WINDOW, make_spec
+
+#: a paged cache's block size is a multiple of this
+PAGE_MULTIPLE = 16
+
+
+class KVCache(NamedTuple):
+    """What a backend's forward_kvcache takes besides q (all checked by forward_kvcache).
+
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_kv, headdim), or paged (num_blocks,
+    block_size, nheads_kv, headdim) with block_table. k_new, v_new: (batch, new_tokens,
+    nheads_kv, headdim) to write at positions cache_seqlens[b] onward first, or None.
+    cache_seqlens: int32 (batch,) array, or None with fixed_seqlen >= 0 standing for every
+    sequence's count (-1 with an array). block_table: int32 (batch, max_blocks) or None.
+    max_seqlen_k: the most keys a sequence has after the append. num_splits: the splits of the
+    key axis asked for (0: the backend chooses)."""
+    k_cache: object
+    v_cache: object
+    k_new: object
+    v_new: object
+    cache_seqlens: object
+    fixed_seqlen: int
+    block_table: object
+    max_seqlen_k: int
+    num_splits: int
+
+    @property
+    def new_tokens(self):
+        return 0 if self.k_new is None else int(self.k_new.shape[1])
+
+    def seqlens_k(self, batch):
+        """Every sequence's number of keys after the append, on the host (int64 (batch,))."""
+        cached = (np.full(batch, self.fixed_seqlen, np.int64) if self.cache_seqlens is None
+                  else host_values(self.cache_seqlens).astype(np.int64))
+        return cached + self.new_tokens
+
+
+def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
+                    block_table=None, causal=False, softmax_scale=None, window_size=NO_WINDOW,
+                    softcap=0.0, alibi_slopes=None, num_splits=0, backend="auto"):
+    """Attention of q over each sequence's cached keys and values (and the new ones).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); seqlen_q is small for decoding (1, or a few
+            for speculative decoding) but any length works (chunked prefill).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_kv, headdim), batch_cache >=
+            batch (sequence b uses entry b), nheads a multiple of nheads_kv (GQA: the query
+            heads of a group share each K/V tile read); or, with block_table, paged:
+            (num_blocks, block_size, nheads_kv, headdim), block_size a multiple of 16.
+        k, v: (batch, new_tokens, nheads_kv, headdim) or None (both or neither): written into
+            the caches in place at positions cache_seqlens[b] ... + new_tokens - 1 (through
+            block_table when paged) before attending; the rest of the caches is untouched.
+        cache_seqlens: int32 (batch,) array, an int, or None (every cache full:
+            seqlen_cache, or max_blocks · block_size when paged; not with k and v): how many
+            tokens each sequence has cached. Sequence b attends to its first cache_seqlens[b]
+            + new_tokens cache positions.
+        block_table: int32 (batch, max_blocks): block i of sequence b's cache is
+            k_cache[block_table[b, i]] (the entries its tokens use must be < num_blocks).
+        causal, softmax_scale, window_size, softcap, alibi_slopes: forward's, aligned to the
+            bottom-right corner of each sequence's (seqlen_q, seqlen_k): with causal, query i
+            of a chunk of seqlen_q new tokens sees the cache and the new tokens up to itself.
+        num_splits: splits of the key axis (flash-decoding), combined by log-sum-exp; 0 lets
+            the backend choose from the batch, heads, cache length and the GPU's size.
+        backend: a registered name or "auto".
+
+    Returns:
+        (out, lse): out like q; lse float32 (batch, nheads, seqlen_q). A query that sees no key
+        (an empty cache) gets 0 and -inf.
+    """
+    spec = make_spec(q, k_cache, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
+    cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    extras = NO_EXTRAS
+    if alibi_slopes is not None:
+        _checks.check_alibi_slopes(alibi_slopes, int(q.shape[0]), int(q.shape[2]))
+        _checks.check_same_place({"q": q, "alibi_slopes": alibi_slopes})
+        extras = Extras(alibi_slopes)
+    impl = registry.resolve(backend, spec, q, k_cache, v_cache, kvcache=True)
+    out, lse = impl.forward_kvcache(spec, q, cache, extras)
+    return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+    """The KVCache of a call, every argument checked (ValueError / TypeError naming it)."""
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, x in arrays.items():
+        _checks.check_array(name, x)
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D; got shape {_checks._shape_str(x)}")
+    batch, seqlen_q, nheads, headdim = (int(s) for s in q.shape)
+    if batch < 1 or seqlen_q < 1 or nheads < 1:
+        raise ValueError(f"q must have batch, seqlen_q and nheads >= 1; got shape "
+                         f"{_checks._shape_str(q)}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape; got "
+                         f"{_checks._shape_str(k_cache)} and {_checks._shape_str(v_cache)}")
+    pages, page_rows, nheads_kv, cache_dim = (int(s) for s in k_cache.shape)
+    if cache_dim != headdim:
+        raise ValueError(f"headdim mismatch: q has {headdim}, k_cache has {cache_dim}")
+    _checks.check_group(nheads, nheads_kv)
+    dtype = _arrays.dtype_name(q)
+    for name in ("k_cache", "v_cache"):
+        if _arrays.dtype_name(arrays[name]) != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}; got "
+                            f"{_arrays.dtype_name(arrays[name])}")
+    if dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"q must be floating point ({', '.join(_checks.FLOAT_DTYPES)}); got "
+                        f"{dtype}")
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen); got {num_splits!r}")
+
+    if block_table is None:
+        if pages < batch:
+            raise ValueError(f"k_cache has {pages} sequences (batch_cache) and q {batch}: "
+                             f"batch_cache must be >= batch")
+        capacity = page_rows
+    else:
+        _check_int32("block_table", block_table, 2)
+        arrays["block_table"] = block_table
+        if int(block_table.shape[0]) != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks) with batch = "
+                             f"{batch}; got {_checks._shape_str(block_table)}")
+        if page_rows % PAGE_MULTIPLE or page_rows == 0:
+            raise ValueError(f"a paged cache's block_size (k_cache.shape[1]) must be a multiple "
+                             f"of {PAGE_MULTIPLE}; got {page_rows}")
+        capacity = int(block_table.shape[1]) * page_rows
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new tokens' keys and values)")
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _checks.check_array(name, x)
+            arrays[name] = x
+            shape = tuple(int(s) for s in x.shape)
+            if len(shape) != 4 or shape != (batch, int(k.shape[1]), nheads_kv, headdim):
+                raise ValueError(f"{name} must have shape (batch, new_tokens, nheads_kv, "
+                                 f"headdim) = ({batch}, new_tokens, {nheads_kv}, {headdim}), "
+                                 f"the same for k and v; got {_checks._shape_str(x)}")
+            if _arrays.dtype_name(x) != dtype:
+                raise TypeError(f"{name} must have q's dtype {dtype}; got "
+                                f"{_arrays.dtype_name(x)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is needed with k and v: it says where the new "
+                             "tokens go")
+    new_tokens = 0 if k is None else int(k.shape[1])
+
+    fixed = -1
+    if cache_seqlens is None:
+        cached = np.full(batch, capacity, np.int64)
+        fixed = capacity
+    elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cached = np.full(batch, int(cache_seqlens), np.int64)
+        fixed = int(cache_seqlens)
+        cache_seqlens = None
+    else:
+        _check_int32("cache_seqlens", cache_seqlens, 1)
+        if int(cache_seqlens.shape[0]) != batch:
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got "
+                             f"{_checks._shape_str(cache_seqlens)}")
+        arrays["cache_seqlens"] = cache_seqlens
+        cached = host_values(cache_seqlens).astype(np.int64)
+    _checks.check_same_place(arrays)
+    if (cached < 0).any():
+        at = int(np.argmax(cached < 0))
+        raise ValueError(f"cache_seqlens must be >= 0; got {int(cached[at])} for sequence {at}")
+    total = cached + new_tokens
+    if (total > capacity).any():
+        at = int(np.argmax(total > capacity))
+        raise ValueError(
+            f"sequence {at} would hold {int(total[at])} tokens (cache_seqlens "
+            f"{int(cached[at])} + {new_tokens} new) but its cache holds {capacity}"
+            + (" (max_blocks x block_size)" if block_table is not None else " (seqlen_cache)"))
+    if block_table is not None:
+        _check_pages(host_values(block_table), total, page_rows, pages)
+    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table,
+                   int(total.max()), int(num_splits))
+
+
+def _check_int32(name, x, rank):
+    _checks.check_array(name, x)
+    if _arrays.dtype_name(x) != "int32":
+        raise TypeError(f"{name} must be int32; got {_arrays.dtype_name(x)}")
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must be {rank}-D; got shape {_checks._shape_str(x)}")
+
+
+def _check_pages(table, seqlens_k, block_size, num_blocks):
+    """The block-table entries each sequence uses (its first ceil(seqlen_k / block_size))
+    point inside the cache."""
+    for b, n in enumerate(seqlens_k):
+        used = table[b, :-(-int(n) // block_size)]
+        bad = (used < 0) | (used >= num_blocks)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise ValueError(f"block_table[{b}, {at}] = {int(used[at])} points outside the "
+                             f"cache's {num_blocks} blocks (sequence {b} uses its first "
+                             f"{len(used)} entries)")
