@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh sanitize # compute-sanitizer memcheck + racecheck on every kernel
 #   bash scripts/gpu_check.sh reliability  # scripts/reliability.py repeat long jit
 #   bash scripts/gpu_check.sh overhead # scripts/overhead.py: host time per call, with cProfile
+#   bash scripts/gpu_check.sh decode   # forward_kvcache: pytest -m gpu tests/kvcache, memcheck of
+#                                      # reliability.py sanitize-kvcache, scripts/bench_decode.py
 # Each stage fits one device call (under 10 minutes, JIT compilation included). The GPU
 # machine's numba-cuda needs numpy < 2.5: carry a numpy 2.4 wheel in .whl/ (carry: [".whl"]).
 set -uo pipefail
@@ -63,6 +65,18 @@ for stage in "$@"; do
             (cd scripts && timeout 120 python3 overhead.py --profile) > "$OUT/overhead.log" 2>&1 \
                 || status=1
             head -10 "$OUT/overhead.log" ;;
+        decode)
+            timeout 300 python3 -m pytest $workers -m gpu -q -rs -p no:cacheprovider \
+                tests/kvcache 2>&1 | tee "$OUT/gpu_kvcache.log" | tail -8 || status=1
+            sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+                        2>/dev/null | head -1)
+            timeout 120 python3 scripts/reliability.py sanitize-kvcache > /dev/null 2>&1
+            timeout 150 "$sanitizer" --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 scripts/reliability.py sanitize-kvcache > "$OUT/sanitizer_kvcache.log" \
+                2>&1 || status=1
+            tail -2 "$OUT/sanitizer_kvcache.log"
+            timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_decode.py \
+                --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" || status=1 ;;
         verify)
             timeout "${VERIFY_TIMEOUT:-560}" python3 scripts/verify.py ${VERIFY_ARGS:-} 2>&1 \
                 | tee "$OUT/verify.log" \
@@ -72,8 +86,8 @@ for stage in "$@"; do
                 float32 float16 --head-dims 64 128 --seqlens 1024 4096 16384} \
                 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
-        *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, overhead, verify," \
-                "bench)"; exit 2 ;;
+        *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, overhead, decode," \
+                "verify, bench)"; exit 2 ;;
     esac
 done
 exit $status

@@ -5,6 +5,7 @@
     python scripts/reliability.py sanitize-variants  # the same for GQA, window, softcap, ALiBi,
                                                      #   varlen, attention masks, mask_mod
     python scripts/reliability.py sanitize-masks     # its masked calls alone
+    python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -133,6 +134,35 @@ def sanitize_masks(numba_flash, cp, torch):
     return sanitize_variants(numba_flash, cp, torch, masks_only=True)
 
 
+def sanitize_kvcache(numba_flash, cp, torch):
+    """forward_kvcache at odd sizes: head dim 72, contiguous and paged (block size 16, the
+    last block of a sequence partly used), empty and nearly full caches, three new tokens
+    appended with causal, GQA 4, splits 1 and 3, every dtype."""
+    rng = np.random.default_rng(3)
+
+    def draw(*shape):
+        x = cp.asarray(rng.standard_normal(shape).astype(np.float32))
+        return torch.from_dlpack(x).to(torch.bfloat16) if dtype == "bfloat16" else \
+            x.astype(dtype)
+    calls = 0
+    for dtype in ("float32", "float16", "bfloat16"):
+        for paged in (False, True):
+            pages, rows = (12, 16) if paged else (3, 64)
+            q, k_new, v_new = draw(3, 3, 8, 72), draw(3, 3, 2, 72), draw(3, 3, 2, 72)
+            k_cache, v_cache = draw(pages, rows, 2, 72), draw(pages, rows, 2, 72)
+            table = (cp.asarray(rng.permutation(12).reshape(3, 4).astype(np.int32))
+                     if paged else None)
+            lengths = cp.asarray(np.array([0, 30, 61], np.int32))
+            for splits in (1, 3):
+                numba_flash.forward_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                            cache_seqlens=lengths, block_table=table,
+                                            causal=True, num_splits=splits, backend="numba")
+                calls += 1
+    cp.cuda.Device().synchronize()
+    print(f"sanitize-kvcache: {calls} calls done")
+    return True
+
+
 def device_memory_used(cp):
     cp.cuda.Device().synchronize()
     free, total = cp.cuda.runtime.memGetInfo()
@@ -215,7 +245,8 @@ def jit(numba_flash, cp, torch):
 
 
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
-         "sanitize-masks": sanitize_masks, "repeat": repeat, "long": long, "jit": jit}
+         "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
+         "repeat": repeat, "long": long, "jit": jit}
 
 
 def main(argv=None):

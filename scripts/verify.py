@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import harness
+from verify_kvcache import verify_kvcache
 from numba_flash.testing import error_bound, max_error
 
 GPU_SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, headdim)
@@ -354,6 +355,10 @@ def main(argv=None):
         for dtype in ("float32", "float16", "bfloat16")[:3 if have_torch else 2]:
             verify_case(table, numba_flash, xp, rng, shape, dtype, causal, on_gpu, kv_heads,
                         options)
+    if not args.variant_rows and not args.shapes:
+        verify_kvcache(table, numba_flash, xp, rng, on_gpu,
+                       ("float32", "float16", "bfloat16")[:3 if have_torch else 2], to_host,
+                       Inputs)
     if on_gpu and not args.quick and not args.variant_rows:
         for causal in (False, True):
             verify_long(table, numba_flash, xp, rng, causal)

@@ -22,7 +22,7 @@ from numba_flash.backends.base import Backend
 from numba_flash.extras import NO_EXTRAS
 
 from . import replay
-from .decode import engine as decode_engine
+from .decode.engine import DecodeEngine
 from .gpu import simulator_enabled
 from .launch import on_device
 from .mma.engine import MmaEngine
@@ -35,8 +35,8 @@ class NumbaBackend(Backend):
     dtypes = ("float16", "bfloat16", "float32")
     #: the engines this backend may use, in order of preference
     engines = (MmaEngine(), SimtEngine())
-    #: the KV-cache kernels (decode/), or None
-    decode = decode_engine
+    #: the KV-cache engine (decode/), or None
+    decode = DecodeEngine()
 
     def available(self):
         """None if the kernels can run here (a CUDA GPU, or the simulator), else the reason."""

@@ -26,6 +26,21 @@ SIMULATOR_SMS = 4
 APPEND_BLOCKS = 1024
 
 
+class DecodeEngine:
+    """The KV-cache engine of the numba and numba-simt backends (NumbaBackend.decode): its
+    reason(spec, q) and forward_kvcache(...), the Engine contract's for forward_kvcache."""
+    name = "split-KV decode"
+
+    def reason(self, spec, q):
+        return reason(spec, q)
+
+    def forward_kvcache(self, spec, q, cache, out, lse, alloc, stream, extras):
+        forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras)
+
+    def __repr__(self):
+        return f"<numba_flash engine {self.name!r}>"
+
+
 def reason(spec, q):
     """None if the decode kernels can serve the call, else why not."""
     if spec.dtype not in DTYPES:

@@ -1,0 +1,75 @@
+"""forward_kvcache on a GPU at real sizes (`-m gpu`): the decode kernels (numba, numba-simt)
+against float64 attention over the appended caches by the accuracy rule (baseline: the cupy
+backend, float16 standard attention, or the plain 16-bit one for bfloat16), contiguous and
+paged (block sizes 16 and 256, permuted), splits chosen and forced, the caches equal to the
+reference's append bit for bit."""
+import numpy as np
+import pytest
+from error_rule import assert_within_rule
+
+import numba_flash
+from numba_flash.extras import NO_EXTRAS
+from numba_flash.kvcache import check_kvcache
+from numba_flash.reference_kvcache import append, attention_forward_kvcache
+from numba_flash.spec import make_spec
+from numba_flash.testing import plain16_forward, round16
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (batch, seqlen_q, heads, kv_heads, capacity, new tokens, block size, causal)
+    (16, 1, 32, 8, 4096, 1, None, False),
+    (4, 4, 32, 4, 4096, 4, 16, True),
+    (2, 1, 32, 32, 8192, 0, 256, False),
+    (1, 33, 8, 1, 2048, 33, 16, True),
+]
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-q{c[1]}-H{c[2]}/{c[3]}-N{c[4]}-page"
+                                             f"{c[6]}" for c in CASES])
+@pytest.mark.parametrize("num_splits", [0, 7])
+def test_forward_kvcache_on_the_gpu(cp, rng, backend, dtype, case, num_splits):
+    batch, seqlen_q, heads, kv_heads, capacity, new_tokens, block_size, causal = case
+    torch = pytest.importorskip("torch")
+
+    def values(shape):
+        return round16(cp, cp.asarray(rng.standard_normal(shape), cp.float32), dtype)
+
+    q = values((batch, seqlen_q, heads, 128))
+    if block_size:
+        blocks = batch * capacity // block_size + 5
+        k_cache, v_cache = (values((blocks, block_size, kv_heads, 128)) for _ in range(2))
+        table = cp.asarray(rng.permutation(blocks)[:batch * capacity // block_size]
+                           .reshape(batch, -1).astype(np.int32))
+    else:
+        k_cache, v_cache = (values((batch, capacity, kv_heads, 128)) for _ in range(2))
+        table = None
+    k_new, v_new = (values((batch, new_tokens, kv_heads, 128)) if new_tokens else None
+                    for _ in range(2))
+    cached = rng.integers(0, capacity - new_tokens + 1, batch).astype(np.int32)
+    cached[0] = capacity - new_tokens
+    cached_gpu = cp.asarray(cached)
+
+    def as_call(x):
+        if x is None:
+            return None
+        return torch.from_dlpack(x).to(getattr(torch, dtype)).contiguous()
+
+    args = [as_call(x) for x in (q, k_cache, v_cache, k_new, v_new)]
+    out, lse = numba_flash.forward_kvcache(*args[:3], k=args[3], v=args[4],
+                                           cache_seqlens=cached_gpu, block_table=table,
+                                           causal=causal, num_splits=num_splits,
+                                           backend=backend)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    cache = check_kvcache(q, want_k, want_v, k_new, v_new, cached_gpu, table, 0)
+    append(cache)
+    spec = make_spec(q, k_cache, causal=causal)
+    ref = attention_forward_kvcache(cp, q, want_k, want_v, cache, spec, "float64", NO_EXTRAS)
+    base = attention_forward_kvcache(cp, q, want_k, want_v, cache, spec, dtype, NO_EXTRAS,
+                                     forward=plain16_forward)
+    got = out.float().cpu().numpy(), lse.cpu().numpy()
+    assert_within_rule("out", got[0], base[0].get(), ref[0].get(), dtype)
+    assert_within_rule("lse", got[1], base[1].get(), ref[1].get(), "float32")
+    for written, want in ((args[1], want_k), (args[2], want_v)):
+        assert bool(cp.all(cp.asarray(written.float()) == want))
