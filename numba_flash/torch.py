@@ -5,6 +5,8 @@
     out.sum().backward()                                       # fills q.grad, k.grad, v.grad
     out = numba_flash.torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, causal=True)
+    out, lse = numba_flash.torch.forward_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                                 cache_seqlens=lengths)  # decoding
 
 `scaled_dot_product_attention` is a drop-in for torch.nn.functional's, with its layout
 (batch, nheads, seqlen, headdim) and its meaning (is_causal top-left aligned).
@@ -15,7 +17,7 @@ numba_flash.backward. CUDA tensors run on torch's current stream.
 """
 import torch
 
-from numba_flash import api, spec, torch_ops
+from numba_flash import api, kvcache, spec, torch_ops
 from numba_flash.spec import NO_WINDOW
 
 
@@ -100,6 +102,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, backend=backend)
     return FlashAttentionVarlenFunction.apply(q, k, v, varlen, options)
+
+
+def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
+                    block_table=None, causal=False, softmax_scale=None, window_size=NO_WINDOW,
+                    softcap=0.0, alibi_slopes=None, num_splits=0, backend="auto"):
+    """numba_flash.forward_kvcache on torch tensors: (out, lse), no gradient. Under
+    torch.compile it calls the torch.library op numba_flash::forward_kvcache, which declares
+    that it writes k_cache and v_cache (an int cache_seqlens becomes a tensor there)."""
+    if torch.compiler.is_compiling():
+        if isinstance(cache_seqlens, int):
+            cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                       device=q.device)
+        return torch_ops.forward_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+            *_op_options(causal, softmax_scale, window_size, softcap, q.shape[-1]),
+            alibi_slopes, num_splits, backend)
+    return kvcache.forward_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                   block_table=block_table, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                   num_splits=num_splits, backend=backend)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,

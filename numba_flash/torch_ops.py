@@ -2,7 +2,8 @@
 and `numba_flash::forward_varlen` / `numba_flash::backward_varlen` for packed sequences, with
 fake (meta) implementations for tracing and autograd formulas, so that torch.compile
 (fullgraph=True included) traces a model that calls numba_flash.torch.attention or
-attention_varlen without a graph break and torch.library.opcheck accepts them.
+attention_varlen without a graph break and torch.library.opcheck accepts them; and
+`numba_flash::forward_kvcache` (no gradient), which declares that it writes the caches.
 
 The ops take the call's options as plain values (the spec's: causal, the resolved softmax
 scale, the window's sides, softcap) and the optional alibi_slopes and attn_mask tensors; a
@@ -13,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from numba_flash import api
+from numba_flash import api, kvcache
 
 
 def _options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, backend):
@@ -92,6 +93,28 @@ def backward_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 @backward_varlen.register_fake
 def _backward_varlen_fake(dout, q, k, v, out, lse, *varlen_and_options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("numba_flash::forward_kvcache", mutates_args=("k_cache", "v_cache"))
+def forward_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                    cache_seqlens: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                    causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                    softcap: float, alibi_slopes: Optional[torch.Tensor], num_splits: int,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """numba_flash.forward_kvcache: (out like q, lse float32 (batch, nheads, seqlen_q)); k and
+    v, if given, are written into k_cache and v_cache first."""
+    out, lse = kvcache.forward_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+        num_splits=num_splits, **_options(causal, softmax_scale, window_left, window_right,
+                                          softcap, alibi_slopes, backend))
+    return out, lse
+
+
+@forward_kvcache.register_fake
+def _forward_kvcache_fake(q, *arguments):
+    batch, seqlen_q, nheads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
