@@ -58,8 +58,8 @@ from numba_flash.spec import AttentionSpec  # noqa: E402
 OPT_IN_SHARED_BYTES = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
                        87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
-COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4.f32", "st.shared", "ex2.approx", "bar.sync",
-           "mma.sync", "ldmatrix", "cp.async.cg")
+COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4", "ld.shared.v4.f32", "st.shared",
+           "ex2.approx", "bar.sync", "mma.sync", "ldmatrix", "cp.async.cg")
 
 
 def find_ptxas():
@@ -221,13 +221,13 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
 
 def decode_kernel_cases(head_dims, dtypes):
     """The split-KV decode family (backends/numba/decode): the decode kernel of a plain and a
-    variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, and the
-    combine and append kernels."""
+    variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, with cp.async
+    loads (and, for the plain contiguous spec, plain ones), and the combine and append
+    kernels."""
     f4, f5 = "float32[:, :, :, :]", "float32[:, :, :, :, :]"
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"
-        a4 = f"{'uint16' if bf16 else dtype}[:, :, :, :]"
-        bits4 = "float32[:, :, :, :]" if dtype == "float32" else "uint16[:, :, :, :]"
+        a4 = "float32[:, :, :, :]" if dtype == "float32" else "uint16[:, :, :, :]"  # (bits)
         for head_dim in head_dims:
             specs = [("plain", AttentionSpec(head_dim=head_dim, dtype=dtype)),
                      ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, group=4,
@@ -235,17 +235,20 @@ def decode_kernel_cases(head_dims, dtypes):
                                                 alibi=True))]
             for kind, spec in specs:
                 for paged in (False, True):
-                    slopes = "float32[:, :]" if spec.alibi else "float32[:, :, :]"
-                    yield (f"decode_d{head_dim}_{kind}_{'paged' if paged else 'contiguous'}_"
-                           f"{dtype}", decode_kernel(spec, paged).py_func,
-                           f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, {f5}, "
-                           f"{f4}, float32, {slopes})", decode_shared_bytes(head_dim))
+                    for async_copy in (True, False) if kind == "plain" and not paged else (True,):
+                        slopes = "float32[:, :]" if spec.alibi else "float32[:, :, :]"
+                        yield (f"decode_d{head_dim}_{kind}_"
+                               f"{'paged' if paged else 'contiguous'}_{dtype}"
+                               f"{'_async' if async_copy else ''}",
+                               decode_kernel(spec, paged, async_copy).py_func,
+                               f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, {f5}, "
+                               f"{f4}, float32, {slopes})", decode_shared_bytes(spec))
         yield (f"decode_combine_{dtype}", combine_kernel(bf16).py_func,
                f"({f5}, {f4}, {a4}, float32[:, :, :])", 0)
         for paged in (False, True):
             yield (f"decode_append_{'paged' if paged else 'contiguous'}_{dtype}",
                    append_kernel(paged).py_func,
-                   f"({bits4}, {bits4}, {bits4}, {bits4}, int32[:, :], int32[:], int32)", 0)
+                   f"({a4}, {a4}, {a4}, {a4}, int32[:, :], int32[:], int32)", 0)
 
 
 def main(argv=None):

@@ -4,10 +4,10 @@ from numba import cuda
 from numba.core.types import float16, float32, uint16
 
 from numba_flash.backends.numba.device.intrinsics import (
-    SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait, exp2, float32_from_bits,
-    ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at, mma_bf16, mma_f16,
-    opaque, pack_bf16x2, pack_f16x2, reciprocal, shared_address, shared_tile, shfl_xor,
-    unpack_bf16x2, unpack_f16x2)
+    SHARED_ALIGN, bits_of_float32, cp_async_16, cp_async_commit, cp_async_wait, exp2,
+    float32_from_bits, ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at,
+    mma_bf16, mma_f16, opaque, pack_bf16x2, pack_f16x2, reciprocal, shared_address,
+    shared_tile, shfl_xor, unpack_bf16x2, unpack_f16x2)
 
 
 def _make_mma_kernel(mma, name):
@@ -98,9 +98,10 @@ def pack_kernel(x, f16_words, bf16_words, f16_back, bf16_back):
     bf16_back[i, 1] = hi
 
 
-def bitcast_kernel(bits, y):
+def bitcast_kernel(bits, y, bits_back):
     i = cuda.threadIdx.x
     y[i] = float32_from_bits(bits[i])
+    bits_back[i] = bits_of_float32(y[i])
 
 
 def exp2_kernel(x, y):

@@ -155,11 +155,14 @@ def test_pack_and_unpack(rng, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_from_bits_is_the_bit_pattern(rng, mode):
+    """float32_from_bits and its inverse bits_of_float32."""
     x = np.concatenate([rng.standard_normal(28) * 1e3, [0.0, -0.0, np.inf, -np.inf]])
     bits = x.astype(np.float32).view(np.uint32)
     y = np.full(32, np.nan, np.float32)
-    cuda.jit(kernels.bitcast_kernel)[1, 32](bits, y)
+    back = np.zeros(32, np.uint32)
+    cuda.jit(kernels.bitcast_kernel)[1, 32](bits, y, back)
     assert np.array_equal(y.view(np.uint32), bits)
+    assert np.array_equal(back, bits)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -37,7 +37,7 @@ def _host(x):
 
 
 def _make(rng, dtype, batch, seqlen_q, nheads, nheads_kv, capacity, new_tokens, paged,
-          block_size=16, full_first=False):
+          block_size=16, full_first=False, head_dim=HEAD_DIM):
     """(q, k_cache, v_cache, k, v, cache_seqlens, block_table) in float32 values: lengths
     drawn from 0, 1, partly full and full (before the new tokens), pages a random
     permutation of more blocks than the batch uses."""
@@ -46,19 +46,19 @@ def _make(rng, dtype, batch, seqlen_q, nheads, nheads_kv, capacity, new_tokens, 
     cached = rng.choice(choices, batch).astype(np.int32)
     if full_first:
         cached[0] = room
-    q = _values(rng, (batch, seqlen_q, nheads, HEAD_DIM), dtype)
+    q = _values(rng, (batch, seqlen_q, nheads, head_dim), dtype)
     if paged:
         per_sequence = capacity // block_size
         blocks = batch * per_sequence + 3
-        shape = (blocks, block_size, nheads_kv, HEAD_DIM)
+        shape = (blocks, block_size, nheads_kv, head_dim)
         table = rng.permutation(blocks)[:batch * per_sequence].reshape(batch, per_sequence)
         table = table.astype(np.int32)
     else:
-        shape, table = (batch + 1, capacity, nheads_kv, HEAD_DIM), None
+        shape, table = (batch + 1, capacity, nheads_kv, head_dim), None
     k_cache, v_cache = (_values(rng, shape, dtype) for _ in range(2))
     new = [None, None]
     if new_tokens:
-        new = [_values(rng, (batch, new_tokens, nheads_kv, HEAD_DIM), dtype) for _ in range(2)]
+        new = [_values(rng, (batch, new_tokens, nheads_kv, head_dim), dtype) for _ in range(2)]
     return q, k_cache, v_cache, new[0], new[1], cached, table
 
 
@@ -128,6 +128,18 @@ def test_alibi_per_sequence(rng):
     arrays = _make(rng, "float32", 2, 1, 2, 2, 48, 1, paged=False, full_first=True)
     slopes = rng.uniform(0.05, 0.5, (2, 2)).astype(np.float32)
     _check("float32", arrays, dict(alibi_slopes=slopes), splits=(0,))
+
+
+@pytest.mark.parametrize("head_dim, dtype, loads", [(16, "float16", "cp.async"),
+                                                    (20, "float16", "plain")])
+def test_both_load_kinds(rng, head_dim, dtype, loads):
+    """cp.async reads rows of whole 16-byte chunks; head dim 20 in float16 (40-byte rows) takes
+    the element-by-element loads and tiles padded to whole chunks."""
+    from numba_flash.backends.numba.decode.engine import _async_copy
+    arrays = _make(rng, dtype, 2, 2, 2, 1, 48, 2, paged=True, head_dim=head_dim)
+    q, k_cache, v_cache = (_as(x, dtype) for x in arrays[:3])
+    assert _async_copy(make_spec(q, k_cache), q, k_cache, v_cache) == (loads == "cp.async")
+    _check(dtype, arrays, dict(causal=True), splits=(2,))
 
 
 def test_the_numpy_backend_gives_the_reference(rng):

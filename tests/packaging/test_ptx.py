@@ -86,9 +86,11 @@ def test_the_decode_kernels_compiled(reports):
     for cc in (80, 90):
         for dtype in ("float16", "bfloat16", "float32"):
             for head_dim in (128,) if cc == 80 or dtype != "float16" else (64, 128, 256):
+                assert (f"decode_d{head_dim}_plain_contiguous_{dtype}", cc) in seen  # (plain
+                #                                                  loads: unaligned caches)
                 for kind in ("plain", "variants"):
                     for layout in ("contiguous", "paged"):
-                        assert (f"decode_d{head_dim}_{kind}_{layout}_{dtype}", cc) in seen
+                        assert (f"decode_d{head_dim}_{kind}_{layout}_{dtype}_async", cc) in seen
             assert (f"decode_combine_{dtype}", cc) in seen
             for layout in ("contiguous", "paged"):
                 assert (f"decode_append_{layout}_{dtype}", cc) in seen
@@ -122,8 +124,9 @@ def test_instructions_present(reports):
         if name.startswith("bwd_delta") or name.startswith("decode_combine") or \
                 name.startswith("decode_append"):
             continue
-        if name.startswith("decode_"):  # scalar dot products over shared tiles
+        if name.startswith("decode_"):  # 16-byte reads of the key tiles, cp.async in _async
             assert r["bar.sync"] > 0 and r["ex2.approx"] > 0 and r["fma.rn.f32"] >= 16, r
+            assert r["ld.shared.v4"] > 0 and (r["cp.async.cg"] > 0) == ("_async" in name), r
             continue
         assert r["bar.sync"] > 0 and r["ex2.approx"] > 0, r
         if name.startswith("mma_"):  # tensor cores fed by ldmatrix and cp.async

@@ -45,7 +45,7 @@ def reason(spec, q):
     """None if the decode kernels can serve the call, else why not."""
     if spec.dtype not in DTYPES:
         return f"the decode kernels take float16, bfloat16 or float32, not {spec.dtype}"
-    need = shared_bytes(spec.head_dim)
+    need = shared_bytes(spec)
     if simulator_enabled():
         return None
     device = _arrays.device_id(q)
@@ -87,8 +87,8 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
     batch, seqlen_q, nheads, head_dim = (int(s) for s in q.shape)
     nheads_kv = int(cache.k_cache.shape[2])
     paged = cache.block_table is not None
-    k_cache, v_cache = (marshal.view(x, bits=spec.dtype != "float32")
-                        for x in (cache.k_cache, cache.v_cache))
+    bits = spec.dtype != "float32"  # (the kernels take 16-bit elements as bit patterns)
+    k_cache, v_cache = (marshal.view(x, bits=bits) for x in (cache.k_cache, cache.v_cache))
     lse_view = marshal.view(lse)
     # (one-element stand-ins of the arrays' types where the call has none: never read)
     block_table = marshal.view(cache.block_table if paged else alloc((1, 1), "int32"))
@@ -98,17 +98,14 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
     new_tokens = 0
     if cache.k_new is not None:
         new_tokens = int(cache.k_new.shape[1])
-        k_new, v_new = (marshal.view(x, bits=spec.dtype != "float32")
-                        for x in (cache.k_new, cache.v_new))
+        k_new, v_new = (marshal.view(x, bits=bits) for x in (cache.k_new, cache.v_new))
         total = int(np.prod(k_new.shape))
         if total:
             launch(append_kernel(paged), min(-(-total // THREADS), APPEND_BLOCKS), THREADS,
                    stream, 0, k_new, v_new, k_cache, v_cache, block_table, seqlens, fixed)
         if simulator_enabled():  # (the simulator's views of host arrays may be copies)
-            _write_back(cache, k_cache, v_cache, spec.dtype != "float32")
-    if spec.dtype != "float32" and not spec.bf16:  # the kernels decode float16 as float16
-        k_cache, v_cache = (marshal.view(x) for x in (cache.k_cache, cache.v_cache))
-    q_view = marshal.view(q, spec.bf16)
+            _write_back(cache, k_cache, v_cache, bits)
+    q_view = marshal.view(q, bits)
 
     rows = rows_per_block(head_dim)
     row_tiles = -(-seqlen_q * spec.group // rows)
@@ -121,11 +118,24 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
     if spec.alibi:
         slopes = marshal.broadcast(marshal.view(extras.alibi_slopes), (batch, nheads))
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
-    launch(decode_kernel(spec.for_kernels(), paged), (splits * row_tiles, nheads_kv, batch),
-           THREADS, stream, shared_bytes(head_dim), q_view, k_cache, v_cache, block_table,
+    async_copy = _async_copy(spec, q, k_cache, v_cache)
+    launch(decode_kernel(spec.for_kernels(), paged, async_copy),
+           (splits * row_tiles, nheads_kv, batch), THREADS, stream, shared_bytes(spec),
+           q_view, k_cache, v_cache, block_table,
            seqlens, fixed, np.int32(new_tokens), out_part, lse_part, scale_log2, slopes)
     launch(combine_kernel(spec.bf16), -(-batch * seqlen_q * nheads // WARPS), THREADS, stream,
            0, out_part, lse_part, marshal.view(out, spec.bf16), lse_view)
+
+
+def _async_copy(spec, q, k_view, v_view):
+    """Whether cp.async can read the caches' rows: sm_80 or newer (or the simulator), rows of
+    whole 16-byte chunks, 16-byte aligned, contiguous along the head dim."""
+    item = 4 if spec.dtype == "float32" else 2
+    if spec.head_dim * item % 16:
+        return False
+    if not simulator_enabled() and compute_capability(_arrays.device_id(q)) < TENSOR_CORE_CC:
+        return False
+    return all(marshal.is_tile_ready(x, spec.head_dim) for x in (k_view, v_view))
 
 
 def _write_back(cache, k_view, v_view, bits):

@@ -9,9 +9,12 @@ blocks.
   pairs, token-major, ROWS at a time: the query heads of a GQA group share every K/V tile the
   block reads. The block walks its split of the keys its rows can see (causal and windows
   bound the range) in tiles of BLOCK_N keys, read through the block table when the cache is
-  paged; per tile each warp computes its rows' scores (lane = key), the online softmax
-  (device/softmax.py) with the row max over the warp's lanes, and acc += P V with lane =
-  output column. It writes its split's normalised output and lse in float32.
+  paged, into shared tiles of the cache's own dtype by cp.async (a double buffer: the next
+  tile is in flight while this one is used), or element by element where the rows are not
+  16-byte aligned. Per tile each warp computes its rows' scores (lane = key, 16 bytes of the
+  key per read), the online softmax (device/softmax.py) with the row max over the warp's
+  lanes, and acc += P V with lane = output column, all in float32. It writes its split's
+  normalised output and lse in float32.
 - `combine_kernel`: one warp per (sequence, token, head) merges the splits by log-sum-exp
   (numba_flash/merge.py's rule; a split that saw no key has weight 0) into out and lse.
 - `append_kernel`: the new tokens' k and v copied, bit for bit, into the cache at positions
@@ -25,18 +28,22 @@ seqlen_q).
 import functools
 import math
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint16
 
-from ..device.bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
+from ..device.bits16 import (bf16_bits_to_float32, f16_bits_to_float32, float32_to_bf16_bits,
+                             unchanged)
 from ..device.constants import NEG_INF, ZERO
-from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor, syncwarp
+from ..device.intrinsics import (SHARED_ALIGN, bits_of_float32, cp_async_16, load_f32x4,
+                                 shared_tile, shfl_xor, syncwarp, unpack_bf16x2, unpack_f16x2)
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
 from ..device.softmax import finalize, online_update, probability
+from ..device.tile_copy import copy_fences
 
 THREADS = 128
 WARPS = THREADS // 32
 BLOCK_N = 32  # keys per tile: one per lane in the score phase
+STAGES = 2  # K/V tiles in shared memory: this one, and the next one in flight
 
 
 def rows_per_block(head_dim):
@@ -44,11 +51,22 @@ def rows_per_block(head_dim):
     return 16 if head_dim <= 128 else 8
 
 
-def shared_bytes(head_dim):
-    """Dynamic shared memory of the decode kernel: Q rows, K tile (rows padded by one float
-    against bank conflicts), V tile, P rows, all float32."""
-    rows = rows_per_block(head_dim)
-    return 4 * (rows * head_dim + BLOCK_N * (head_dim + 1) + BLOCK_N * head_dim + rows * BLOCK_N)
+def tile_layout(spec):
+    """(item bytes, elements per K/V tile row, bytes per tile row) of the cache's own dtype:
+    rows of whole 16-byte chunks (cp.async's copies) and one chunk more, so that the score
+    phase's 16-byte reads of 8 lanes (one key each) fall on distinct banks."""
+    item = 4 if spec.dtype == "float32" else 2
+    per_copy = 16 // item
+    cols = -(-spec.head_dim // per_copy) * per_copy
+    return item, cols, cols * item + 16
+
+
+def shared_bytes(spec):
+    """Dynamic shared memory of the decode kernel: the Q rows (float32), STAGES K and V tiles
+    (the cache's dtype) and the P rows (float32)."""
+    rows = rows_per_block(spec.head_dim)
+    _, cols, row_bytes = tile_layout(spec)
+    return 4 * rows * cols + STAGES * 2 * BLOCK_N * row_bytes + 4 * rows * BLOCK_N
 
 
 @cuda.jit(device=True, inline="always")
@@ -71,30 +89,83 @@ def warp_sum(x):
     return x + shfl_xor(x, 16)
 
 
-def _decoder(bf16):
-    return bf16_bits_to_float32 if bf16 else float32
+@cuda.jit(device=True, inline="always")
+def _same(x):
+    return x
+
+
+def _element(spec):
+    """(the kernels' element type of q and the caches, its decoder to float32, the unpacker
+    of two 16-bit elements from 32 bits): bit patterns for 16-bit dtypes."""
+    if spec.dtype == "float32":
+        return float32, _same, None
+    if spec.bf16:
+        return uint16, bf16_bits_to_float32, unpack_bf16x2
+    return uint16, f16_bits_to_float32, unpack_f16x2
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel(spec, paged):
-    """The decode kernel for a kernel spec (AttentionSpec.for_kernels()) and cache layout;
-    16-bit q and caches as the SIMT kernels take them (bfloat16 as bit patterns)."""
+def decode_kernel(spec, paged, async_copy):
+    """The decode kernel for a kernel spec (AttentionSpec.for_kernels()), cache layout and
+    load kind: q and the caches as the cache dtype's elements (16-bit ones as bit patterns);
+    with async_copy the K/V rows are read by cp.async (rows of whole 16-byte chunks, 16-byte
+    aligned: engine.py checks), else element by element."""
     D, GROUP = spec.head_dim, spec.group
     ROWS = rows_per_block(D)
     ROWS_PER_WARP = ROWS // WARPS
-    COLS = -(-D // 32)  # output columns per lane
-    K_ROW = D + 1
-    K_START = 4 * ROWS * D
-    V_START = K_START + 4 * BLOCK_N * K_ROW
-    P_START = V_START + 4 * BLOCK_N * D
+    OUT_COLS = -(-D // 32)  # output columns per lane
+    ITEM, COLS, ROW_BYTES = tile_layout(spec)
+    PER_COPY, WORDS = 16 // ITEM, COLS * ITEM // 4
+    CHUNKS = COLS // PER_COPY
+    ROW_ITEMS, ROW_WORDS = ROW_BYTES // ITEM, ROW_BYTES // 4  # (a tile row's stride)
+    STAGE_ROWS = STAGES * BLOCK_N
+    TILE_BYTES = BLOCK_N * ROW_BYTES
+    # byte offsets in dynamic shared memory: Q rows, the stages' K tiles one after the other
+    # (stage s: rows s·BLOCK_N on), their V tiles, the P rows
+    K_START = 4 * ROWS * COLS
+    V_START = K_START + STAGES * TILE_BYTES
+    P_START = V_START + STAGES * TILE_BYTES
     LEFT, RIGHT = spec.window_left, spec.window_right
-    decode = _decoder(spec.bf16)
+    element, decode, unpack = _element(spec)
+    commit_loads, wait_older_loads = copy_fences(async_copy, keep_newest=True)
+    wait_loads = copy_fences(async_copy)[1]
     visible = make_mask(spec)
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
                                                   score_mod.scales)
     head_slope = score_mod.head_slope
-    ACC_SHAPE = (ROWS_PER_WARP, COLS)
+    ACC_SHAPE = (ROWS_PER_WARP, OUT_COLS)
+
+    @cuda.jit(device=True, inline="always")
+    def location(block_table, b, key, block_size):
+        """(first index, row) of a key of sequence b in the caches."""
+        if paged:
+            return block_table[b, key // block_size], key % block_size
+        return b, key
+
+    @cuda.jit(device=True, inline="always")
+    def load_kv(k_tile, v_tile, row0, k_cache, v_cache, block_table, b, h_kv, n0, n_end):
+        """This tile's keys and values into the tiles' rows from row0 (a stage's); zero past
+        n_end (and past D)."""
+        block_size = k_cache.shape[1]
+        if async_copy:
+            for i in range(cuda.threadIdx.x, BLOCK_N * CHUNKS, THREADS):
+                j, col = i // CHUNKS, i % CHUNKS * PER_COPY
+                page, slot, size = 0, 0, 0  # (past n_end: zero-filled)
+                if n0 + j < n_end:
+                    page, slot = location(block_table, b, n0 + j, block_size)
+                    size = 16
+                cp_async_16(k_tile, row0 + j, col, k_cache, page, slot, h_kv, col, size)
+                cp_async_16(v_tile, row0 + j, col, v_cache, page, slot, h_kv, col, size)
+        else:
+            for i in range(cuda.threadIdx.x, BLOCK_N * COLS, THREADS):
+                j, c = i // COLS, i % COLS
+                value_k, value_v = element(0), element(0)
+                if n0 + j < n_end and c < D:
+                    page, slot = location(block_table, b, n0 + j, block_size)
+                    value_k, value_v = k_cache[page, slot, h_kv, c], v_cache[page, slot, h_kv, c]
+                k_tile[row0 + j, c] = value_k
+                v_tile[row0 + j, c] = value_v
 
     def flash_decode(q, k_cache, v_cache, block_table, cache_seqlens, fixed_seqlen, new_tokens,
                      out_part, lse_part, scale_log2, alibi_slopes):
@@ -108,7 +179,6 @@ def decode_kernel(spec, paged):
         n_rows = seqlen_q * GROUP
         seqlen_k = (fixed_seqlen if fixed_seqlen >= 0 else cache_seqlens[b]) + new_tokens
         offset = seqlen_k - seqlen_q
-        block_size = k_cache.shape[1]
         tile_scale, pre = exponent_scales(scale_log2)
         mask_at = (lse_part, b, h_kv, ())  # (no attn_mask or mask_mod here: never read)
 
@@ -122,18 +192,25 @@ def decode_kernel(spec, paged):
         per_split = -(-tiles // splits)
         n_begin = n_lo + split * per_split * BLOCK_N
         n_end = min(hi, n_begin + per_split * BLOCK_N)
+        n_tiles = max(0, -(-(n_end - n_begin) // BLOCK_N))
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)
-        q_rows = shared_tile(smem, 0, ROWS, D, float32)
-        k_tile = shared_tile(smem, K_START, BLOCK_N, K_ROW, float32)
-        v_tile = shared_tile(smem, V_START, BLOCK_N, D, float32)
+        q_rows = shared_tile(smem, 0, ROWS, COLS, float32)
+        k_tile = shared_tile(smem, K_START, STAGE_ROWS, ROW_ITEMS, element)
+        k_words = shared_tile(smem, K_START, STAGE_ROWS, ROW_WORDS, float32)  # (the
+        #                                                 same bytes, read 16 at a time)
+        v_tile = shared_tile(smem, V_START, STAGE_ROWS, ROW_ITEMS, element)
         p_rows = shared_tile(smem, P_START, ROWS, BLOCK_N, float32)
 
-        # Load: the block's query rows (row r: token r // GROUP, head h_kv·GROUP + r % GROUP).
-        for i in range(tid, ROWS * D, THREADS):
-            r, c = i // D, i % D
+        # Load: the first K/V tile, in flight while the block's query rows (row r: token
+        # r // GROUP, head h_kv·GROUP + r % GROUP) are read.
+        if n_tiles > 0:
+            load_kv(k_tile, v_tile, 0, k_cache, v_cache, block_table, b, h_kv, n_begin, n_end)
+        commit_loads()
+        for i in range(tid, ROWS * COLS, THREADS):
+            r, c = i // COLS, i % COLS
             value = ZERO
-            if r0 + r < n_rows:
+            if r0 + r < n_rows and c < D:
                 row = r0 + r
                 value = decode(q[b, row // GROUP, h_kv * GROUP + row % GROUP, c])
             q_rows[r, c] = value
@@ -145,35 +222,45 @@ def decode_kernel(spec, paged):
         for i in range(ROWS_PER_WARP):
             m_i[i] = NEG_INF
             l_i[i] = ZERO
-            for c in range(COLS):
+            for c in range(OUT_COLS):
                 acc[i, c] = ZERO
 
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            cuda.syncthreads()  # why: every warp is done with the previous K, V and P tiles
-            # Load: this tile's keys and values, zero past the split's end.
-            for i in range(tid, BLOCK_N * D, THREADS):
-                j, c = i // D, i % D
-                key, value_k, value_v = n0 + j, ZERO, ZERO
-                if key < n_end:
-                    if paged:
-                        page, slot = block_table[b, key // block_size], key % block_size
-                    else:
-                        page, slot = b, key
-                    value_k = decode(k_cache[page, slot, h_kv, c])
-                    value_v = decode(v_cache[page, slot, h_kv, c])
-                k_tile[j, c] = value_k
-                v_tile[j, c] = value_v
-            cuda.syncthreads()  # why: the K and V tiles (and, first time, Q rows) are complete
+        for t in range(n_tiles):
+            n0 = n_begin + t * BLOCK_N
+            stage_row = t % STAGES * BLOCK_N
+            cuda.syncthreads()  # why: every warp is done with the other stage's tiles
+            # Load: the next tile into the other stage, in flight while this one is used.
+            if t + 1 < n_tiles:
+                load_kv(k_tile, v_tile, BLOCK_N - stage_row, k_cache, v_cache, block_table, b,
+                        h_kv, n0 + BLOCK_N, n_end)
+            commit_loads()  # (an empty group on the last tile: the wait counts groups)
+            wait_older_loads()
+            cuda.syncthreads()  # why: every thread's copies of this tile (and Q) are complete
 
-            # Scores: this lane's key against each of the warp's rows (one pass over the
-            # key's columns, so that the rows' sums stay in registers).
+            # Scores: this lane's key against each of the warp's rows, 16 bytes of the key
+            # at a time (one pass over the key, so that the rows' sums stay in registers).
             key = n0 + lane
             for i in range(ROWS_PER_WARP):
                 s_row[i] = ZERO
-            for c in range(D):
-                k_c = k_tile[lane, c]
-                for i in range(ROWS_PER_WARP):
-                    s_row[i] += q_rows[warp * ROWS_PER_WARP + i, c] * k_c
+            for w in range(0, WORDS, 4):
+                x0, x1, x2, x3 = load_f32x4(k_words, stage_row + lane, w)
+                if ITEM == 4:
+                    for i in range(ROWS_PER_WARP):
+                        r = warp * ROWS_PER_WARP + i
+                        s_row[i] += (q_rows[r, w] * x0 + q_rows[r, w + 1] * x1
+                                     + q_rows[r, w + 2] * x2 + q_rows[r, w + 3] * x3)
+                else:
+                    c = 2 * w
+                    k0, k1 = unpack(bits_of_float32(x0))
+                    k2, k3 = unpack(bits_of_float32(x1))
+                    k4, k5 = unpack(bits_of_float32(x2))
+                    k6, k7 = unpack(bits_of_float32(x3))
+                    for i in range(ROWS_PER_WARP):
+                        r = warp * ROWS_PER_WARP + i
+                        s_row[i] += (q_rows[r, c] * k0 + q_rows[r, c + 1] * k1
+                                     + q_rows[r, c + 2] * k2 + q_rows[r, c + 3] * k3
+                                     + q_rows[r, c + 4] * k4 + q_rows[r, c + 5] * k5
+                                     + q_rows[r, c + 6] * k6 + q_rows[r, c + 7] * k7)
             for i in range(ROWS_PER_WARP):
                 r = warp * ROWS_PER_WARP + i
                 row = r0 + r
@@ -182,28 +269,29 @@ def decode_kernel(spec, paged):
                 # block-wide).
                 s = NEG_INF
                 if row < n_rows:  # (warp-uniform)
-                    t, h = row // GROUP, h_kv * GROUP + row % GROUP
+                    t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
                     s = s_row[i]
                     if SCORE_MOD:
-                        s = modified_score(s, pre, head_slope(alibi_slopes, b, h), t, key,
+                        s = modified_score(s, pre, head_slope(alibi_slopes, b, h), t_row, key,
                                            offset, seqlen_k, mask_at)
-                    if key >= n_end or not visible(t, key, seqlen_k, offset, mask_at):
+                    if key >= n_end or not visible(t_row, key, seqlen_k, offset, mask_at):
                         s = NEG_INF
                 # Rescale: the row max over the warp; P into the row's shared slots.
                 m_i[i], m_ref, alpha = online_update(m_i[i], warp_max(s) * tile_scale)
                 p = probability(s, tile_scale, m_ref)
                 l_i[i] = l_i[i] * alpha + p
                 p_rows[r, lane] = p
-                for c in range(COLS):
+                for c in range(OUT_COLS):
                     acc[i, c] *= alpha
             syncwarp()  # why: the warp's P rows are written before its lanes read all of them
             # Accumulate: acc += P V, lane = output column.
             for j in range(BLOCK_N):
-                for c in range(COLS):
+                for c in range(OUT_COLS):
                     col = lane + 32 * c
-                    v_jc = v_tile[j, col] if col < D else ZERO
+                    v_jc = decode(v_tile[stage_row + j, col]) if col < D else ZERO
                     for i in range(ROWS_PER_WARP):
                         acc[i, c] += p_rows[warp * ROWS_PER_WARP + i, j] * v_jc
+        wait_loads()  # (no copy left in flight when the block ends)
 
         # Epilogue: the row sum over the lanes; this split's normalised output and lse.
         for i in range(ROWS_PER_WARP):
@@ -211,13 +299,13 @@ def decode_kernel(spec, paged):
             l_row = warp_sum(l_i[i])
             inv_l, lse_row = finalize(l_row, m_i[i])
             if row < n_rows:
-                t, h = row // GROUP, h_kv * GROUP + row % GROUP
-                for c in range(COLS):
+                t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
+                for c in range(OUT_COLS):
                     col = lane + 32 * c
                     if col < D:
-                        out_part[split, b, t, h, col] = acc[i, c] * inv_l
+                        out_part[split, b, t_row, h, col] = acc[i, c] * inv_l
                 if lane == 0:
-                    lse_part[split, b, h, t] = lse_row
+                    lse_part[split, b, h, t_row] = lse_row
 
     return cuda.jit(flash_decode, cache=True)
 

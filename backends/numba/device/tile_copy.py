@@ -1,9 +1,10 @@
-"""Tile copies from global to shared memory by cp.async, for every kernel family."""
+"""Tile copies from global to shared memory by cp.async, for every kernel family, and the
+fences that close and wait for them."""
 import functools
 
 from numba import cuda
 
-from .intrinsics import cp_async_16
+from .intrinsics import cp_async_16, cp_async_commit, cp_async_wait
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,3 +34,33 @@ def make_cp_async_loader(head_dim, threads, itemsize=2):
                             16 if valid else 0)
 
     return load_tile
+
+
+@cuda.jit(device=True, inline="always")
+def _commit_copies():
+    cp_async_commit()
+
+
+@cuda.jit(device=True, inline="always")
+def _wait_copies():
+    cp_async_wait(0)
+
+
+@cuda.jit(device=True, inline="always")
+def _wait_older_copies():
+    cp_async_wait(1)
+
+
+@cuda.jit(device=True, inline="always")
+def _nothing():
+    pass
+
+
+def copy_fences(async_copy, keep_newest=False):
+    """(commit, wait): close the group of cp.async copies issued since the last commit; wait
+    until every committed group has landed (keep_newest: all but the newest, for a pipeline
+    whose next tile is in flight). With plain loads (no cp.async: GPUs before sm_80 among
+    them) both do nothing."""
+    if not async_copy:
+        return _nothing, _nothing
+    return _commit_copies, _wait_older_copies if keep_newest else _wait_copies

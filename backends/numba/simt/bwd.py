@@ -37,11 +37,12 @@ from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import grad_score, lse_log2, probability
+from ..device.tile_copy import copy_fences
 from ..gpu import SHARED_MEMORY_BYTES
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import simt_backward_config, simt_backward_shared_bytes
-from .tiles import (LANE_COLS, LANE_ROWS, copy_fences, make_chunked_accumulate,
+from .tiles import (LANE_COLS, LANE_ROWS, make_chunked_accumulate,
                     make_chunked_store, make_tile_dot, make_tile_loader, tile_columns)
 
 

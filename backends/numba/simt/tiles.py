@@ -19,7 +19,7 @@ import functools
 from numba import cuda, float32
 
 from ..device.bits16 import bf16_bits_to_float32, float32_to_bf16_bits, unchanged
-from ..device.intrinsics import cp_async_commit, cp_async_wait, load_f32x4
+from ..device.intrinsics import load_f32x4
 from ..device.tile_copy import make_cp_async_loader
 
 LANE_ROWS, LANE_COLS = 4, 8  # a warp's lanes: 4 row groups x 8 column groups
@@ -73,28 +73,6 @@ def make_tile_loader(rows, head_dim, loaded_cols, threads, bf16, async_copy):
         copy(tile, tile_row0, src, b, row0, h, nrows, rows)
 
     return load
-
-
-@cuda.jit(device=True, inline="always")
-def _commit_copies():
-    cp_async_commit()
-
-
-@cuda.jit(device=True, inline="always")
-def _wait_copies():
-    cp_async_wait(0)
-
-
-@cuda.jit(device=True, inline="always")
-def _nothing():
-    pass
-
-
-def copy_fences(async_copy):
-    """(commit, wait): close the group of cp.async copies issued since the last commit; wait
-    until every committed group has landed. With plain loads (no cp.async: GPUs before sm_80
-    among them) both do nothing."""
-    return (_commit_copies, _wait_copies) if async_copy else (_nothing, _nothing)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values through blo
 syncthreads().
 """
 from ._llvm import SHARED_ALIGN, SIMULATED
-from .bitcast import float32_from_bits
+from .bitcast import bits_of_float32, float32_from_bits
 from .cp_async import cp_async_16, cp_async_commit, cp_async_wait
 from .ex2 import exp2
 from .ldmatrix import ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at
@@ -18,8 +18,8 @@ from .rcp import reciprocal
 from .shared import load_f32x4, opaque, shared_address, shared_tile
 from .warp import shfl_xor, syncwarp
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "cp_async_16", "cp_async_commit", "cp_async_wait",
-           "exp2", "float32_from_bits", "ldmatrix_x4", "ldmatrix_x4_at", "ldmatrix_x4_trans",
-           "ldmatrix_x4_trans_at", "mma_bf16", "mma_f16", "pack_bf16x2", "pack_f16x2",
-           "unpack_bf16x2", "unpack_f16x2", "load_f32x4", "opaque", "reciprocal",
+__all__ = ["SHARED_ALIGN", "SIMULATED", "bits_of_float32", "cp_async_16", "cp_async_commit",
+           "cp_async_wait", "exp2", "float32_from_bits", "ldmatrix_x4", "ldmatrix_x4_at",
+           "ldmatrix_x4_trans", "ldmatrix_x4_trans_at", "mma_bf16", "mma_f16", "pack_bf16x2",
+           "pack_f16x2", "unpack_bf16x2", "unpack_f16x2", "load_f32x4", "opaque", "reciprocal",
            "shared_address", "shared_tile", "shfl_xor", "syncwarp"]

@@ -62,6 +62,7 @@ def thread_state(name, factory):
 def check_aligned(array, *index):
     """The hardware needs 16-byte aligned addresses here (ldmatrix, cp.async); the simulator
     would not notice, so the twins check."""
-    address = array.ctypes.data + sum(i * s for i, s in zip(index, array.strides))
+    address = array.ctypes.data + sum(int(i) * s for i, s in zip(index, array.strides))  # (int:
+    #                                            a NumPy int32 index would overflow there)
     if address % 16:
         raise ValueError(f"address of element {index} is not 16-byte aligned")
