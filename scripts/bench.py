@@ -12,7 +12,6 @@ as for a caller waiting on the result). Peak extra memory: what the call takes b
     python scripts/bench.py --dtypes float32 float16 --head-dims 64 128 --json $OUT/bench.json
 """
 import argparse
-import json
 import statistics
 import sys
 
@@ -282,10 +281,8 @@ def main(argv=None):
                                causal, passes, args.tokens, args.model_dim, args.backends,
                                args.sdpa)
         rows += case_rows
-        print_table(case_rows)  # each case as it is done, and the JSON so far: a run cut
-        if args.json:           # short by a time limit keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump({"gpu": props["name"].decode(), "rows": rows}, f, indent=1)
+        print_table(case_rows)  # each case as it is done, and the JSON so far
+        harness.write_json(args.json, {"gpu": props["name"].decode(), "rows": rows})
     if args.plot:
         plot(rows, args.plot)
     return 0

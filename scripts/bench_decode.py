@@ -12,7 +12,6 @@ wall time of one call with the host's share (checks, the cache_seqlens read), av
     python scripts/bench_decode.py [--dtypes float16 bfloat16] [--caches 8192 32768 131072]
 """
 import argparse
-import json
 import sys
 import time
 
@@ -119,9 +118,7 @@ def main(argv=None):
             print(f"{dtype} B{batch} H{heads}/{kv_heads} N{tokens}: {cells}", flush=True)
             del fns, ready
             torch.cuda.empty_cache()
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
+            harness.write_json(args.json, results)
     return 0
 
 

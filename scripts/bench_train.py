@@ -11,8 +11,9 @@ peak memory torch allocated. Needs a CUDA GPU, torch and transformers.
 """
 import argparse
 import contextlib
-import json
 import sys
+
+import harness
 
 IMPLEMENTATIONS = ("numba_flash", "sdpa-flash", "sdpa-cudnn", "eager")
 
@@ -102,9 +103,7 @@ def main(argv=None):
             print(f"{implementation:12s} skipped ({results[implementation]['error']})")
         del model
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    harness.write_json(args.json, {"args": vars(args), "results": results})
     return 0
 
 

@@ -21,7 +21,6 @@ scripts/bench.py (CUDA events, median, the implementations of a row taking turns
                                     [--rows WORD...]
 """
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -288,9 +287,7 @@ def main(argv=None):
             print(f"{passes:6s} {name:22s} {cells}  | time / mha causal "
                   f"{row['ms_over_mha_causal']:.3f}, visible pairs / mha causal "
                   f"{row['visible_share']:.3f}", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
+            harness.write_json(args.json, results)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Helpers shared by the scripts (verify.py, bench.py, bench_variants.py, ...; not part of the
 package)."""
+import json
 import os
 
 
@@ -27,6 +28,14 @@ def optional_torch(leave_out=False):
         print("torch not installed: SDPA peers left out")
         return None
     return torch
+
+
+def write_json(path, results):
+    """The results so far into `path` (the --json option; None: nothing), rewritten after each
+    case, so that a run cut short by a time limit keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def use_simulator():

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+import harness
+
 CHILD = r"""
 import json, sys, time
 stamps = {}
@@ -92,9 +94,7 @@ def main(argv=None):
               flush=True)
         if profile:
             print(profile)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.json, results)
     return 0
 
 
