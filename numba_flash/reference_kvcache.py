@@ -27,14 +27,13 @@ def append(cache):
             cache.v_cache[page, slot] = cache.v_new[b, n]
 
 
-def sequence_keys(xp, k_cache, v_cache, cache, b, seqlen_k):
+def sequence_keys(xp, k_cache, v_cache, table, b, seqlen_k):
     """Sequence b's first seqlen_k keys and values, (1, seqlen_k, nheads_kv, headdim), from
-    the caches as xp arrays."""
+    the caches as xp arrays (table: the block table's values on the host, or None)."""
     positions = np.arange(seqlen_k)
-    if cache.block_table is None:
+    if table is None:
         return k_cache[b:b + 1, :seqlen_k], v_cache[b:b + 1, :seqlen_k]
     block_size = int(k_cache.shape[1])
-    table = host_values(cache.block_table)
     pages = xp.asarray(table[b, positions // block_size].astype(np.int64))
     slots = xp.asarray((positions % block_size).astype(np.int64))
     return k_cache[pages, slots][None], v_cache[pages, slots][None]
@@ -46,6 +45,7 @@ def attention_forward_kvcache(xp, q, k_cache, v_cache, cache, spec, dtype, extra
     arrays, the append already made): each sequence alone, with its own seqlen_k, by
     `forward` (reference.attention_forward; the tests' plain 16-bit one has its signature)."""
     batch = int(q.shape[0])
+    table = None if cache.block_table is None else host_values(cache.block_table)
     outs, lses = [], []
     for b, seqlen_k in enumerate(cache.seqlens_k(batch)):
         if seqlen_k == 0:  # an empty cache: no key seen
@@ -53,7 +53,7 @@ def attention_forward_kvcache(xp, q, k_cache, v_cache, cache, spec, dtype, extra
             outs.append(xp.zeros((1,) + shape[1:], dtype))
             lses.append(xp.full((1, shape[2], shape[1]), -np.inf, dtype))
             continue
-        k, v = sequence_keys(xp, k_cache, v_cache, cache, b, int(seqlen_k))
+        k, v = sequence_keys(xp, k_cache, v_cache, table, b, int(seqlen_k))
         slopes = extras.alibi_slopes
         if slopes is not None and len(slopes.shape) == 2:
             slopes = slopes[b:b + 1]

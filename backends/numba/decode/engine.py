@@ -26,21 +26,6 @@ SIMULATOR_SMS = 4
 APPEND_BLOCKS = 1024
 
 
-class DecodeEngine:
-    """The KV-cache engine of the numba and numba-simt backends (NumbaBackend.decode): its
-    reason(spec, q) and forward_kvcache(...), the Engine contract's for forward_kvcache."""
-    name = "split-KV decode"
-
-    def reason(self, spec, q):
-        return reason(spec, q)
-
-    def forward_kvcache(self, spec, q, cache, out, lse, alloc, stream, extras):
-        forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras)
-
-    def __repr__(self):
-        return f"<numba_flash engine {self.name!r}>"
-
-
 def reason(spec, q):
     """None if the decode kernels can serve the call, else why not."""
     if spec.dtype not in DTYPES:
@@ -149,3 +134,14 @@ def _write_back(cache, k_view, v_view, bits):
             target = x
         if not np.shares_memory(target, written):
             target[...] = written.view(target.dtype)
+
+
+class DecodeEngine:
+    """The KV-cache engine of the numba and numba-simt backends (NumbaBackend.decode): the
+    Engine contract's reason and, for numba_flash.forward_kvcache, forward_kvcache."""
+    name = "split-KV decode"
+    reason = staticmethod(reason)
+    forward_kvcache = staticmethod(forward_kvcache)
+
+    def __repr__(self):
+        return f"<numba_flash engine {self.name!r}>"
