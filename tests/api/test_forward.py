@@ -7,6 +7,7 @@ from inputs import random_qkv
 import numba_flash
 from numba_flash.reference import attention_forward
 from numba_flash.spec import make_spec
+from numba_flash.testing import max_error
 
 # (batch, seqlen_q, seqlen_k, nheads, headdim): odd sizes, seqlen_q != seqlen_k both ways,
 # lengths that are not multiples of any tile, head dims from every config bucket.
@@ -68,8 +69,15 @@ def test_large_logits_do_not_overflow(rng):
     spec = make_spec(q, causal=False, softmax_scale=32 ** -0.5)
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    # (scores of ~1e3 carry float32 rounding of ~1e-4 into every exponent: the bound is the
-    # plain float32 implementation's error, as everywhere, not a fixed number)
-    base_out, base_lse = attention_forward(np, q, k, v, spec, np.float32)
+    # Scores of ~1e3 carry float32 rounding of ~1e-4 into every exponent, and near-ties
+    # between the top scores amplify it by how the dot products happen to round: the bound
+    # is the plain float32 implementation's error, as everywhere, at its worst over a few
+    # summation orders of the head dimension (one order alone is sometimes 20x luckier).
+    orders = [np.arange(32)] + [rng.permutation(32) for _ in range(3)]
+    baselines = [attention_forward(np, np.ascontiguousarray(q[..., p]),
+                                   np.ascontiguousarray(k[..., p]), v, spec, np.float32)
+                 for p in orders]
+    base_out = max((b[0] for b in baselines), key=lambda b: max_error(b, ref_out))
+    base_lse = max((b[1] for b in baselines), key=lambda b: max_error(b, ref_lse))
     assert_within_rule("out", out, base_out, ref_out, "float32")
     assert_within_rule("lse", lse, base_lse, ref_lse, "float32")

@@ -136,8 +136,11 @@ def test_shfl_xor_butterfly_sum(rng, mode):
     sums = np.full(64, np.nan, np.float32)
     cuda.jit(kernels.shfl_sum_kernel)[1, 64](values, sums)
     for w in range(2):
-        assert np.allclose(sums[32 * w:32 * w + 32], values[32 * w:32 * w + 32].sum(),
-                           rtol=1e-5)
+        warp = values[32 * w:32 * w + 32].astype(np.float64)
+        # a 5-level float32 tree is within 5 unit roundoffs of sum |x| (a relative tolerance
+        # on the total fails by chance when the values cancel)
+        bound = 5 * 2.0 ** -24 * np.abs(warp).sum()
+        assert np.abs(sums[32 * w:32 * w + 32] - warp.sum()).max() <= bound
 
 
 @pytest.mark.parametrize("mode", MODES)
