@@ -7,6 +7,8 @@
                                              max_seqlen_q, max_seqlen_k, causal=True)
     out, lse = numba_flash.torch.forward_kvcache(q, k_cache, v_cache, k=k, v=v,
                                                  cache_seqlens=lengths)  # decoding
+    out = numba_flash.torch.ring_attention(q_shard, k_shard, v_shard, causal=True)  # a
+        # sequence sharded across a torch.distributed group (torch_ring.py)
 
 `scaled_dot_product_attention` is a drop-in for torch.nn.functional's, with its layout
 (batch, nheads, seqlen, headdim) and its meaning (is_causal top-left aligned).
@@ -19,6 +21,10 @@ import torch
 
 from numba_flash import api, kvcache, spec, torch_ops
 from numba_flash.spec import NO_WINDOW
+from numba_flash.torch_ring import ring_attention, shard_sequence, unshard_sequence
+
+__all__ = ["attention", "attention_varlen", "forward_kvcache", "scaled_dot_product_attention",
+           "ring_attention", "shard_sequence", "unshard_sequence"]
 
 
 def _op_options(causal, softmax_scale, window_size, softcap, head_dim):
