@@ -42,8 +42,9 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_
     have and are not taken). Returns this rank's shard of the output; every rank of the
     group must call it with shards of the same shapes and the same options (checked: every
     rank raises the same error otherwise)."""
-    left, right = spec.check_window_size(window_size)
-    options = _Options(causal, softmax_scale, (left, right), softcap, backend)
+    # (the options are checked inside _ring, with the arrays: an error on one rank only must
+    # reach the others before any of them waits for a message)
+    options = _Options(causal, softmax_scale, window_size, softcap, backend)
     ring = _ring(group, layout, q, k, v, options)
     return RingAttentionFunction.apply(q, k, v, ring, options.call_options(q.shape[-1]))
 
@@ -54,7 +55,7 @@ class _Options:
         self.softcap, self.backend = softcap, backend
 
     def global_window(self):
-        left, right = self.window
+        left, right = spec.check_window_size(self.window)
         return left, 0 if spec.check_causal(self.causal) else right
 
     def call_options(self, head_dim):
