@@ -126,27 +126,32 @@ def _array_signature(dtype, shape, strides):
             (math.prod(shape), dtype.itemsize), shape + strides)
 
 
+#: the scalar types kernels take, with their Numba and ctypes types
+_SCALARS = {np.float32: ("float32", ctypes.c_float), np.int32: ("int32", ctypes.c_int32)}
+
+
 def _launch_arg(arg):
-    """A float32 scalar as it is, a tuple as a tuple of its items', any other argument as
-    its DeviceView."""
-    if isinstance(arg, np.float32):
+    """A float32 or int32 scalar as it is, a tuple as a tuple of its items', any other
+    argument as its DeviceView."""
+    if type(arg) in _SCALARS:
         return arg
     if isinstance(arg, tuple):
         return tuple(map(_launch_arg, arg))
     if isinstance(arg, (np.generic, int, float)):
-        raise TypeError(f"kernel arguments are arrays or numpy.float32 scalars; got "
-                        f"{type(arg).__name__}")
+        raise TypeError(f"kernel arguments are arrays or numpy.float32 / numpy.int32 scalars; "
+                        f"got {type(arg).__name__}")
     return device_view(arg)
 
 
 def _argument(arg):
     """(Numba type, kernel parameters, the parameters' indices that hold array addresses) of
-    one argument: a DeviceView, a float32 scalar or a tuple of them (which Numba's kernel ABI
+    one argument: a DeviceView, a scalar (_SCALARS) or a tuple of them (which Numba's kernel ABI
     passes as its items' parameters one after another; an empty one as none)."""
     from numba import types
     arg = _launch_arg(arg)
-    if isinstance(arg, np.float32):
-        return types.float32, (ctypes.c_float(arg),), ()
+    if type(arg) in _SCALARS:
+        numba_type, ctypes_type = _SCALARS[type(arg)]
+        return getattr(types, numba_type), (ctypes_type(arg),), ()
     if isinstance(arg, tuple):
         argtypes, parameters, pointer_slots = [], [], []
         for item in arg:
@@ -165,7 +170,7 @@ def _pointers(args):
     for arg in args:
         if isinstance(arg, tuple):
             yield from _pointers(arg)
-        elif not isinstance(arg, np.float32):
+        elif type(arg) not in _SCALARS:
             yield arg.ptr
 
 
@@ -226,7 +231,7 @@ class PreparedLaunch:
     """One launch of a compiled kernel with its grid, block, shared memory and every parameter
     fixed but the arrays' addresses: calling it with those and a stream launches it.
 
-    The parameters are packed once, 8 bytes each (a float32 in the low half of its slot), in
+    The parameters are packed once, 8 bytes each (a 4-byte scalar in the low half of its slot), in
     the order Numba's kernel ABI takes them (ARRAY_FIELDS); `pointer_slots` are the slots of
     the arrays' `data` fields. cuLaunchKernel copies the parameters before it returns, so one
     buffer serves every launch, under a lock in case two threads launch it at once."""
@@ -239,6 +244,8 @@ class PreparedLaunch:
         for slot, value in enumerate(parameters):
             if isinstance(value, ctypes.c_float):
                 ctypes.c_float.from_buffer(self._values, 8 * slot).value = value.value
+            elif isinstance(value, ctypes.c_int32):
+                self._values[slot] = value.value
             else:
                 self._values[slot] = value
         base = ctypes.addressof(self._values)
@@ -279,8 +286,8 @@ MAX_PREPARED = 1024
 
 def _signature(arg):
     """What of an argument a prepared launch fixes: all but an array's address."""
-    if isinstance(arg, np.float32):
-        return float(arg)
+    if type(arg) in _SCALARS:
+        return type(arg), arg.item()
     if isinstance(arg, tuple):
         return tuple(map(_signature, arg))
     return (arg.dtype, arg.shape, arg.strides)
@@ -289,7 +296,7 @@ def _signature(arg):
 def prepare(kernel, grid, block, shared_bytes, args, device):
     """The PreparedLaunch of kernel[grid, block, stream, shared_bytes](*args) on `device`
     (cached per argument signature: a training loop repeats its shapes). `args` are
-    DeviceViews and float32 scalars."""
+    DeviceViews and scalars (_SCALARS)."""
     key = (kernel, device, grid, block, shared_bytes, *map(_signature, args))
     prepared = _prepared.get(key)
     if prepared is not None:
@@ -332,8 +339,8 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
     simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
-    and float32 scalars, or tuples of them. NumPy arrays are copied to the GPU and back around
-    the launch, as Numba does (the kernel tests use that; it synchronises). Inside
+    and float32 / int32 scalars, or tuples of them. NumPy arrays are copied to the GPU and back
+    around the launch, as Numba does (the kernel tests use that; it synchronises). Inside
     `replay.recording()` the launch is noted for a replay."""
     from numba import config
     if config.ENABLE_CUDASIM:

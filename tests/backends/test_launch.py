@@ -51,6 +51,22 @@ def test_array_parameters(rng):
                                                          else "A")
     argtype, values, slots = numba_launch._argument(np.float32(0.25))
     assert str(argtype) == "float32" and values[0].value == 0.25 and slots == ()
+    argtype, values, slots = numba_launch._argument(np.int32(-3))
+    assert str(argtype) == "int32" and values[0].value == -3 and slots == ()
+
+
+def test_scalars_pack_into_the_low_half_of_their_slot_and_key_the_launch():
+    """A 4-byte scalar's parameter is the first 4 bytes of its 8-byte slot (cuLaunchKernel
+    reads 4 there), and launches that differ only in a scalar's value are different
+    prepared launches (the decode kernels take their token counts as int32)."""
+    import ctypes
+    launch = numba_launch.PreparedLaunch(None, (1,), (1,), 0,
+                                         (ctypes.c_float(0.5), ctypes.c_int32(-7), 9), ())
+    raw = bytes(launch._values)
+    assert np.frombuffer(raw[0:4], np.float32)[0] == 0.5
+    assert np.frombuffer(raw[8:12], np.int32)[0] == -7 and raw[16] == 9
+    assert numba_launch._signature(np.int32(3)) != numba_launch._signature(np.int32(4))
+    assert numba_launch._signature(np.int32(3)) != numba_launch._signature(np.float32(3))
 
 
 def test_tuple_parameters_are_their_items_in_order():
@@ -68,9 +84,9 @@ def test_tuple_parameters_are_their_items_in_order():
     assert str(argtype) == "Tuple()" and values == () and slots == ()
 
 
-@pytest.mark.parametrize("scalar", [0.25, np.float64(0.25), np.int32(3), 7])
-def test_scalars_other_than_float32_are_refused(scalar):
-    with pytest.raises(TypeError, match="arrays or numpy.float32 scalars; got "
+@pytest.mark.parametrize("scalar", [0.25, np.float64(0.25), np.int64(3), np.uint32(3), 7])
+def test_scalars_other_than_float32_and_int32_are_refused(scalar):
+    with pytest.raises(TypeError, match="arrays or numpy.float32 / numpy.int32 scalars; got "
                                         f"{type(scalar).__name__}"):
         numba_launch._argument(scalar)
 
