@@ -4,22 +4,31 @@ its pure-Python twin for the simulator.
 Under NUMBA_ENABLE_CUDASIM=1 kernels run as Python, where an @intrinsic cannot be called, so
 every public name is bound at import time to either the compiled intrinsic (PTX through
 llvmlite inline assembly) or its twin; kernels call the name and run unchanged in both.
-Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values through block barriers
-(sim_warp), so in kernels they must be called by every thread of the block together, like
-syncthreads().
+Warp-collective twins (mma, ldmatrix, shuffles) exchange lane values among the warp's threads
+(sim_warp), warpgroup-collective ones (wgmma) among the warpgroup's: in kernels every thread
+of the warp (warpgroup) calls them together, as on the GPU.
 """
 from ._llvm import SHARED_ALIGN, SIMULATED
 from .bitcast import bits_of_float32, float32_from_bits
-from .cp_async import cp_async_16, cp_async_commit, cp_async_wait
+from .cp_async import cp_async_16, cp_async_16_to, cp_async_commit, cp_async_wait
 from .ex2 import exp2
 from .ldmatrix import ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at
+from .mbarrier import (fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_init,
+                       mbarrier_wait)
 from .mma import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2, unpack_bf16x2, unpack_f16x2
 from .rcp import reciprocal
-from .shared import load_f32x4, opaque, shared_address, shared_tile
+from .shared import load_f32x4, opaque, shared_address, shared_base, shared_tile
 from .warp import shfl_xor, syncwarp
+from .warpgroup import named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc
+from .wgmma import (descriptor_at, make_descriptor, make_fence_operands, make_wgmma,
+                    wgmma_commit, wgmma_fence, wgmma_wait)
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "bits_of_float32", "cp_async_16", "cp_async_commit",
-           "cp_async_wait", "exp2", "float32_from_bits", "ldmatrix_x4", "ldmatrix_x4_at",
-           "ldmatrix_x4_trans", "ldmatrix_x4_trans_at", "mma_bf16", "mma_f16", "pack_bf16x2",
+__all__ = ["SHARED_ALIGN", "SIMULATED", "bits_of_float32", "cp_async_16", "cp_async_16_to",
+           "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2", "fence_mbarrier_init",
+           "fence_proxy_async", "float32_from_bits", "ldmatrix_x4", "ldmatrix_x4_at",
+           "ldmatrix_x4_trans", "ldmatrix_x4_trans_at", "make_descriptor",
+           "make_fence_operands", "make_wgmma", "mbarrier_arrive", "mbarrier_init",
+           "mbarrier_wait", "mma_bf16", "mma_f16", "named_barrier_sync", "pack_bf16x2",
            "pack_f16x2", "unpack_bf16x2", "unpack_f16x2", "load_f32x4", "opaque", "reciprocal",
-           "shared_address", "shared_tile", "shfl_xor", "syncwarp"]
+           "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "shared_base", "shared_tile",
+           "shfl_xor", "syncwarp", "wgmma_commit", "wgmma_fence", "wgmma_wait"]

@@ -1,6 +1,6 @@
-"""cp.async (16 bytes, global to shared) with its commit and wait, and their simulator twins.
-The twin keeps each thread's copies in flight (their bytes NaN) until a cp_async_wait covers
-them, as the hardware may."""
+"""cp.async (16 bytes, global to shared, to a tile element or to a 32-bit shared address) with
+its commit and wait, and their simulator twins. The twin keeps each thread's copies in flight
+(their bytes NaN) until a cp_async_wait covers them, as the hardware may."""
 import numpy as np
 from numba import types
 from numba.cuda.extending import intrinsic
@@ -8,6 +8,7 @@ from numba.cuda.extending import intrinsic
 from . import sim_warp
 from ._llvm import (SHARED_ADDRESS, SIMULATED, asm, element_address, name_for_cache,
                     row_element_address)
+from .shared import _SharedAddress
 
 _CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + SHARED_ADDRESS.format("$0") +
              " cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [s], [ga], 16, $2; }")
@@ -36,20 +37,61 @@ def _cp_async_16(typingctx, dst, drow, dcol, src, b, n, h, d, src_bytes):
     return sig, codegen
 
 
+_CP_ASYNC_TO = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                "cp.async.cg.shared.global [$0], [ga], 16, $2; }")
+
+
+@intrinsic
+def _cp_async_16_to(typingctx, address, src, b, n, h, d, src_bytes):
+    """cp_async_16 to a 32-bit shared address (16-byte aligned) instead of a tile element."""
+    if not (isinstance(src, types.Array) and src.ndim == 4):
+        return None
+    sig = types.void(address, src, b, n, h, d, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        destination = context.cast(builder, args[0], sig.args[0], types.uint32)
+        src_address = row_element_address(context, builder, sig.args[1], args[1],
+                                          sig.args[2:6], args[2:6])
+        size = context.cast(builder, args[6], sig.args[6], types.uint32)
+        asm(builder, _CP_ASYNC_TO, "r,l,r,~{memory}", [destination, src_address, size],
+            side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _source_bytes(src, b, n, h, d, src_bytes, itemsize):
+    """The 16 bytes a copy lands: src_bytes of src[b, n, h, d:], then zeros."""
+    sim_warp.check_aligned(src, b, n, h, d)
+    if not 0 <= src_bytes <= 16:
+        raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
+    values = np.zeros(16 // itemsize, src.dtype)
+    copied = src_bytes // itemsize
+    values[:copied] = src[b, n, h, d:d + copied]  # (read at issue, as the hardware may)
+    return values
+
+
 def _cp_async_16_python(dst, drow, dcol, src, b, n, h, d, src_bytes):
     """Copy src_bytes (0..16) and zero-fill the rest of the 16 bytes, as cp.async does, but
     only when a cp_async_wait covers the copy: until then the 16 bytes hold NaN patterns, so a
     kernel that reads a tile before waiting for it computes garbage in the simulator too."""
     sim_warp.check_aligned(dst, drow, dcol)
-    sim_warp.check_aligned(src, b, n, h, d)
-    if not 0 <= src_bytes <= 16:
-        raise ValueError(f"src_bytes must be in 0..16; got {src_bytes}")
-    count, copied = 16 // dst.itemsize, src_bytes // dst.itemsize
-    values = np.zeros(count, dst.dtype)
-    values[:copied] = src[b, n, h, d:d + copied]  # (read at issue, as the hardware may)
-    dst[drow, dcol:dcol + count].view(_NOT_YET_COPIED[dst.itemsize].dtype)[:] = \
-        _NOT_YET_COPIED[dst.itemsize]
-    sim_warp.thread_state("cp_async_issued", list).append((dst, drow, dcol, values))
+    values = _source_bytes(src, b, n, h, d, src_bytes, dst.itemsize)
+    target = dst[drow, dcol:dcol + len(values)]
+    target.view(_NOT_YET_COPIED[dst.itemsize].dtype)[:] = _NOT_YET_COPIED[dst.itemsize]
+    sim_warp.thread_state("cp_async_issued", list).append((target, values))
+
+
+def _cp_async_16_to_python(address, src, b, n, h, d, src_bytes):
+    if not isinstance(address, _SharedAddress):
+        raise TypeError(f"cp_async_16_to takes a shared address; got {address!r}")
+    if address.byte_offset % 16:
+        raise ValueError(f"shared byte {address.byte_offset} is not 16-byte aligned")
+    memory = address.array.view(np.uint8).reshape(-1)
+    target = memory[address.byte_offset:address.byte_offset + 16].view(src.dtype)
+    values = _source_bytes(src, b, n, h, d, src_bytes, src.dtype.itemsize)
+    target.view(np.uint8)[:] = 0xFF  # (NaN patterns in flight)
+    sim_warp.thread_state("cp_async_issued", list).append((target, values))
 
 
 # In flight: float NaN; for 16-bit patterns 0xFFFF, a NaN in float16 and in bfloat16.
@@ -93,14 +135,14 @@ def _cp_async_wait_python(pending):
     """Land this thread's committed groups but the newest `pending` ones."""
     groups = sim_warp.thread_state("cp_async_groups", list)
     while len(groups) > pending:
-        for dst, drow, dcol, values in groups.pop(0):
-            dst[drow, dcol:dcol + len(values)] = values
+        for target, values in groups.pop(0):
+            target[:] = values
 
 
 if SIMULATED:
-    cp_async_16 = _cp_async_16_python
+    cp_async_16, cp_async_16_to = _cp_async_16_python, _cp_async_16_to_python
     cp_async_commit, cp_async_wait = _cp_async_commit_python, _cp_async_wait_python
 else:
-    cp_async_16 = _cp_async_16
+    cp_async_16, cp_async_16_to = _cp_async_16, _cp_async_16_to
     cp_async_commit, cp_async_wait = _cp_async_commit, _cp_async_wait
     name_for_cache(globals(), __name__)

@@ -1,6 +1,6 @@
 """ldmatrix (.x4, plain and .trans) from a (tile, row, col) address or from a 32-bit shared
-address plus a constant offset, with their simulator twins (which exchange rows through block
-barriers: every thread of the block calls them together)."""
+address plus a constant offset, with their simulator twins (which exchange rows among the
+warp's lanes: every lane of the warp calls them together)."""
 import numpy as np
 from numba import types
 from numba.cuda.extending import intrinsic

@@ -8,8 +8,8 @@ mma.m16n8k16"), with g = lane // 4 and t = lane % 4:
                           a2 = A[g, 2t+8:2t+10]  a3 = A[g+8, 2t+8:2t+10]
     B (16x8, K x N):      b0 = B[2t:2t+2, g]  b1 = B[2t+8:2t+10, g]
     C, D (16x8, f32):     c0, c1 = C[g, 2t], C[g, 2t+1]   c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
-The twin of mma exchanges the warp's fragments through block barriers (sim_warp), so in
-kernels it must be called by every thread of the block together, like syncthreads().
+The twin of mma exchanges the warp's fragments among its lanes (sim_warp), so in kernels it
+must be called by every lane of the warp together, as on the GPU.
 """
 import numpy as np
 from numba import types

@@ -1,5 +1,7 @@
 """Shared-memory access Numba lacks: 16-byte float32 loads, tiles carved out of dynamic
-shared memory, and 32-bit shared addresses (shared_address, opaque) for ldmatrix_x4_at."""
+shared memory, and 32-bit shared addresses: of an element (shared_address, opaque) for
+ldmatrix_x4_at, of an array's start rounded up to an alignment (shared_base) for the Hopper
+kernels' swizzled tiles and mbarriers."""
 from typing import NamedTuple
 
 import numpy as np
@@ -121,6 +123,27 @@ def _opaque(typingctx, value):
     return sig, codegen
 
 
+@intrinsic
+def _shared_base(typingctx, array, alignment):
+    """The 32-bit shared address of a shared array's first element, rounded up to a multiple
+    of `alignment` (a literal power of two): a kernel that needs its dynamic shared memory
+    aligned beyond what Numba declares asks for `alignment` more bytes and starts there."""
+    if not (isinstance(array, types.Array) and isinstance(alignment, types.IntegerLiteral)):
+        return None
+    align = alignment.literal_value
+    if align < 1 or align & (align - 1):
+        raise ValueError(f"shared_base: alignment {align} is not a power of two")
+    sig = types.uint32(array, alignment)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        text = ("{ .reg .u64 sa; .reg .u32 s; cvta.to.shared.u64 sa, $1; cvt.u32.u64 s, sa; "
+                f"add.u32 s, s, {align - 1}; and.b32 $0, s, {-align & 0xFFFFFFFF}; }}")
+        return asm(builder, text, "=r,l", [builder.ptrtoint(data, i64())], outputs=[i32()])[0]
+
+    return sig, codegen
+
+
 class _SharedAddress(NamedTuple):
     """The simulator's shared address: the array and a byte offset into it; adding an integer
     moves it by that many bytes, as on the device."""
@@ -132,6 +155,15 @@ class _SharedAddress(NamedTuple):
 
     __radd__ = __add__
 
+    def __sub__(self, other):
+        """Bytes from `other` (an address in the same array) to this one, or this address
+        moved back by `other` bytes."""
+        if isinstance(other, _SharedAddress):
+            if other.array is not self.array:
+                raise ValueError("the distance between addresses in different shared arrays")
+            return self.byte_offset - other.byte_offset
+        return _SharedAddress(self.array, self.byte_offset - int(other))
+
 
 def _shared_address_python(array, row, col):
     return _SharedAddress(array, row * array.strides[0] + col * array.strides[1])
@@ -141,12 +173,19 @@ def _opaque_python(value):
     return value
 
 
+def _shared_base_python(array, alignment):
+    """The simulator's array starts at every alignment: its addresses count bytes from it."""
+    return _SharedAddress(array, 0)
+
+
 if SIMULATED:
     load_f32x4 = _load_f32x4_python
     shared_tile = _shared_tile_python
     shared_address, opaque = _shared_address_python, _opaque_python
+    shared_base = _shared_base_python
 else:
     load_f32x4 = _load_f32x4
     shared_tile = _shared_tile
     shared_address, opaque = _shared_address, _opaque
+    shared_base = _shared_base
     name_for_cache(globals(), __name__)

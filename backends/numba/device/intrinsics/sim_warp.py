@@ -1,52 +1,142 @@
-"""Warp-level data exchange for the CUDA simulator, which has no warp operations.
+"""Warp- and warpgroup-level data exchange for the CUDA simulator, which has neither.
 
 The simulator runs every thread of a block as a Python thread and implements syncthreads()
-as a block-wide barrier. A warp collective is emulated the same way the simulator emulates
-syncthreads_count: each thread posts its value, all threads meet at a barrier, each reads its
-warp's 32 values, and a second barrier keeps the next exchange from overwriting them early.
-So, like syncthreads(), a twin that exchanges must be called by every thread of the block.
-The warp barrier (warp_barrier) is the exception: the lanes of a warp meet among themselves.
+as a block-wide barrier. A collective of a group of threads (a warp's shuffle or mma, a
+warpgroup's wgmma) is emulated among the group's own threads: each posts its value, the
+group meets at a barrier, each reads its group's values, and a second barrier keeps the next
+exchange from overwriting them early. So a twin that exchanges must be called by every thread
+of its group together (as on the GPU), and only by them: the other threads of the block may
+be elsewhere, e.g. a producer warpgroup waiting on an mbarrier.
 Per-thread state (thread_state) holds what a thread has in flight, e.g. its cp.async copies.
 """
 import threading
+import time
 
 import numpy as np
 
 WARP_SIZE = 32
+WARPGROUP_SIZE = 128
+#: a simulated barrier that waits longer than this is a deadlock in the kernel
+DEADLOCK_SECONDS = 600.0
+
+
+class SimulatedDeadlock(RuntimeError):
+    pass
+
+
+def wait_until(condition, lock, what):
+    """Wait on `lock` (a threading.Condition, held) until condition() is true; raise if the
+    simulator aborts the block (another thread raised) or nothing moves for
+    DEADLOCK_SECONDS."""
+    thread = threading.current_thread()
+    start = time.monotonic()
+    while not condition():
+        lock.wait(0.05)
+        if getattr(thread, "abort", False):
+            raise RuntimeError(f"abort flag set while waiting on {what}")
+        if time.monotonic() - start > DEADLOCK_SECONDS:
+            raise SimulatedDeadlock(f"{what}: no progress for {DEADLOCK_SECONDS:.0f} s")
+
+
+class GroupBarrier:
+    """A reusable barrier of `count` threads."""
+
+    def __init__(self, count, what):
+        self.count, self.what = count, what
+        self.arrived, self.generation = 0, 0
+        self.lock = threading.Condition()
+
+    def wait(self):
+        with self.lock:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.count:
+                self.arrived, self.generation = 0, generation + 1
+                self.lock.notify_all()
+                return
+            wait_until(lambda: self.generation != generation, self.lock, self.what)
+
+
+_LOCK = threading.Lock()
+
+
+def _block_dict(name):
+    """A dict kept on the calling thread's block manager (made on first use)."""
+    manager = threading.current_thread()._manager
+    with _LOCK:
+        return manager.__dict__.setdefault(name, {})
+
+
+def _block_threads():
+    return int(np.prod(threading.current_thread()._manager._block_dim))
+
+
+def group_barrier(size):
+    """The barrier of the calling thread's group of `size` consecutive threads (a warp, a
+    warpgroup); the last group of a block may be short."""
+    thread = threading.current_thread()
+    first = thread.thread_id - thread.thread_id % size
+    barriers = _block_dict(f"_numba_flash_barriers_{size}")
+    with _LOCK:
+        if first not in barriers:
+            count = min(size, _block_threads() - first)
+            barriers[first] = GroupBarrier(count, f"the group of {size} threads from {first}")
+    return barriers[first]
+
+
+def group_exchange(value, size):
+    """All values (a list indexed by position in the group) of the calling thread's group of
+    `size` threads."""
+    thread = threading.current_thread()
+    board = _block_dict("_numba_flash_exchange")
+    board[thread.thread_id] = value
+    barrier = group_barrier(size)
+    barrier.wait()
+    first = thread.thread_id - thread.thread_id % size
+    values = [board.get(first + i) for i in range(barrier.count)]
+    barrier.wait()
+    return values
 
 
 def warp_exchange(value):
     """All 32 lanes' values (a list indexed by lane) of the calling thread's warp."""
-    thread = threading.current_thread()
-    board = thread._manager.__dict__.setdefault("_numba_flash_exchange", {})
-    board[thread.thread_id] = value
-    thread.syncthreads()
-    first = thread.thread_id - thread.thread_id % WARP_SIZE
-    values = [board.get(first + lane) for lane in range(WARP_SIZE)]
-    thread.syncthreads()
-    return values
+    return group_exchange(value, WARP_SIZE)
 
 
 def lane_id():
     return threading.current_thread().thread_id % WARP_SIZE
 
 
-_BARRIERS_LOCK = threading.Lock()
+def thread_index():
+    """The calling thread's linear index in its block."""
+    return threading.current_thread().thread_id
 
 
 def warp_barrier():
     """A warp barrier (__syncwarp): the calling thread waits for the other lanes of its warp
     only, as on the GPU, so that a kernel which relies on it to order another warp's writes
-    fails in the simulator too. (The simulator's block barrier releases once every thread is
-    waiting in it; a warp's lanes meet here before any of them can get there.)"""
-    thread = threading.current_thread()
-    first = thread.thread_id - thread.thread_id % WARP_SIZE
-    with _BARRIERS_LOCK:
-        barriers = thread._manager.__dict__.setdefault("_numba_flash_warp_barriers", {})
-        if first not in barriers:
-            lanes = min(WARP_SIZE, int(np.prod(thread._manager._block_dim)) - first)
-            barriers[first] = threading.Barrier(lanes)
-    barriers[first].wait()
+    fails in the simulator too."""
+    group_barrier(WARP_SIZE).wait()
+
+
+def named_barrier(barrier_id, count):
+    """bar.sync barrier_id, count: the first `count` threads to arrive at this id meet."""
+    barriers = _block_dict("_numba_flash_named_barriers")
+    with _LOCK:
+        barrier = barriers.get(barrier_id)
+        if barrier is None or barrier.count != count:
+            barrier = barriers[barrier_id] = GroupBarrier(count, f"named barrier {barrier_id}")
+    barrier.wait()
+
+
+def block_state(name, factory):
+    """A value shared by the threads of the calling block (made by factory() on first use),
+    e.g. the mbarriers."""
+    states = _block_dict("_numba_flash_block_state")
+    with _LOCK:
+        if name not in states:
+            states[name] = factory()
+        return states[name]
 
 
 def thread_state(name, factory):

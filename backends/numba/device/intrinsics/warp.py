@@ -1,6 +1,6 @@
-"""Warp shuffles and the warp barrier. The shuffle twin exchanges values through block
-barriers (every thread of the block calls it together); the syncwarp twin waits for the lanes
-of the caller's warp only, as on the GPU."""
+"""Warp shuffles and the warp barrier. The shuffle twin exchanges values among the warp's
+lanes (every lane of the warp calls it together); the syncwarp twin waits for the lanes of
+the caller's warp only, as on the GPU."""
 from . import sim_warp
 from ._llvm import SIMULATED
 

@@ -1,0 +1,159 @@
+"""mbarriers (sm_90: shared-memory barriers that threads arrive on and wait for by phase) and
+the proxy fence between ordinary shared-memory writes and the async proxy (wgmma's reads),
+with their simulator twins.
+
+An mbarrier counts arrivals: initialised for `count` of them, its current phase completes
+when the last arrives, and the next phase begins. `mbarrier_wait(address, parity)` returns
+once the phase of that parity has completed, i.e. while the current phase's parity differs:
+a fresh barrier (phase 0 running) makes a wait on parity 0 block and one on parity 1 return
+at once, which is how a producer finds every stage of a new pipeline free. Addresses are
+32-bit shared addresses of 8-byte aligned words (shared_base).
+"""
+import threading
+
+from numba import types
+from numba.cuda.extending import intrinsic
+
+from . import sim_warp
+from ._llvm import SIMULATED, asm, name_for_cache
+from .shared import _SharedAddress
+
+
+def _cast_u32(context, builder, sig, args):
+    return [context.cast(builder, value, type_, types.uint32)
+            for value, type_ in zip(args, sig.args)]
+
+
+@intrinsic
+def _mbarrier_init(typingctx, address, count):
+    sig = types.void(address, count)
+
+    def codegen(context, builder, sig, args):
+        asm(builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
+            _cast_u32(context, builder, sig, args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _mbarrier_arrive(typingctx, address):
+    """One arrival (release semantics at CTA scope: the caller's earlier writes are seen by
+    a thread whose wait sees the phase complete)."""
+    sig = types.void(address)
+
+    def codegen(context, builder, sig, args):
+        asm(builder, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
+            _cast_u32(context, builder, sig, args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_WAIT = ("{ .reg .pred done; WAIT_${:uid}: "
+         "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+         "@!done bra.uni WAIT_${:uid}; }")
+
+
+@intrinsic
+def _mbarrier_wait(typingctx, address, parity):
+    """Wait until the phase of this parity has completed (acquire: the arrivers' earlier
+    writes are seen)."""
+    sig = types.void(address, parity)
+
+    def codegen(context, builder, sig, args):
+        asm(builder, _WAIT, "r,r,~{memory}", _cast_u32(context, builder, sig, args),
+            side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _fence(text):
+    @intrinsic
+    def fence(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            asm(builder, text, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return fence
+
+
+# -- twins ------------------------------------------------------------------------------------
+
+class _MBarrierState:
+    __slots__ = ("expected", "pending", "phase")
+
+    def __init__(self, count):
+        self.expected = self.pending = count
+        self.phase = 0
+
+
+def _barriers():
+    return (sim_warp.block_state("mbarriers", dict),
+            sim_warp.block_state("mbarrier_lock", threading.Condition))
+
+
+def _key(address):
+    if not isinstance(address, _SharedAddress):
+        raise TypeError(f"an mbarrier's address is a shared address; got {address!r}")
+    if address.byte_offset % 8:
+        raise ValueError(f"an mbarrier must be 8-byte aligned; got byte {address.byte_offset}")
+    return id(address.array), address.byte_offset
+
+
+def _mbarrier_init_python(address, count):
+    if int(count) < 1:
+        raise ValueError(f"an mbarrier needs a positive arrival count; got {count}")
+    barriers, lock = _barriers()
+    with lock:
+        barriers[_key(address)] = _MBarrierState(int(count))
+
+
+def _state_of(barriers, address):
+    state = barriers.get(_key(address))
+    if state is None:
+        raise RuntimeError(f"mbarrier at byte {address.byte_offset} used before mbarrier_init")
+    return state
+
+
+def _mbarrier_arrive_python(address):
+    barriers, lock = _barriers()
+    with lock:
+        state = _state_of(barriers, address)
+        state.pending -= 1
+        if state.pending == 0:
+            state.phase += 1
+            state.pending = state.expected
+            lock.notify_all()
+
+
+def _mbarrier_wait_python(address, parity):
+    barriers, lock = _barriers()
+    with lock:
+        state = _state_of(barriers, address)
+        sim_warp.wait_until(lambda: state.phase % 2 != int(parity) % 2, lock,
+                            f"mbarrier at byte {address.byte_offset}, parity {parity}")
+
+
+def _nothing():
+    pass
+
+
+if SIMULATED:
+    mbarrier_init, mbarrier_arrive = _mbarrier_init_python, _mbarrier_arrive_python
+    mbarrier_wait = _mbarrier_wait_python
+    # The simulator's shared memory is one coherent memory: neither fence orders anything.
+    fence_mbarrier_init = fence_proxy_async = _nothing
+else:
+    mbarrier_init, mbarrier_arrive, mbarrier_wait = _mbarrier_init, _mbarrier_arrive, _mbarrier_wait
+    #: makes barrier initialisation visible to the async proxy and the other threads
+    fence_mbarrier_init = _fence("fence.mbarrier_init.release.cluster;")
+    #: orders this thread's ordinary (generic-proxy) shared-memory writes, cp.async's among
+    #: them once waited for, before the async proxy's reads (wgmma) that follow a barrier
+    fence_proxy_async = _fence("fence.proxy.async.shared::cta;")
+    name_for_cache(globals(), __name__)
