@@ -9,6 +9,7 @@ numpy_reference.py and cupy_standard.py are standard attention, numba/ holds the
 #: name -> (module inside numba_flash.backends, class name), in "auto" preference order
 BACKEND_MODULES = {
     "numba": ("numba.backend", "NumbaBackend"),
+    "numba-hopper": ("numba.backend", "NumbaHopperBackend"),
     "numba-mma": ("numba.backend", "NumbaMmaBackend"),
     "numba-simt": ("numba.backend", "NumbaSimtBackend"),
     "cupy": ("cupy_standard", "CupyStandardBackend"),

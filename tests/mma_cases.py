@@ -1,10 +1,11 @@
-"""The tensor-core kernels' test cases, shared by tests/kernels/mma and tests/variants: 16-bit
-inputs as bit patterns, one launch into poisoned outputs, every result checked against float64.
-`options` are AttentionSpec fields (window_left, window_right, softcap, alibi, attn_mask: a
-random mask of that dtype, mask_mod: a function, whose tile tables the case builds); kv_heads (GQA)
-gives k and v fewer heads than q; `lengths` [(seqlen_q, seqlen_k) per sequence] makes the case
-varlen: the kernels see the sequences packed along a batch axis of one (their view of
-forward_varlen's arrays), the references the packed arrays themselves."""
+"""The tensor-core kernels' test cases, shared by tests/kernels/mma, tests/kernels/hopper and
+tests/variants: 16-bit inputs as bit patterns, one launch into poisoned outputs, every result
+checked against float64. `options` are AttentionSpec fields (window_left, window_right,
+softcap, alibi, attn_mask: a random mask of that dtype, mask_mod: a function, whose tile
+tables the case builds); kv_heads (GQA) gives k and v fewer heads than q; `lengths`
+[(seqlen_q, seqlen_k) per sequence] makes the case varlen: the kernels see the sequences
+packed along a batch axis of one (their view of forward_varlen's arrays), the references the
+packed arrays themselves."""
 import numpy as np
 from error_rule import assert_within_rule
 
@@ -112,9 +113,11 @@ class Layout:
                           lambda shape, dtype: np.empty(shape, dtype), 0)
 
 
-def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
-    """launch_mma_forward on random 16-bit inputs into poisoned outputs; out checked by the
-    rule against float64, lse against float64 (the same rows -inf, the others within 1e-4)."""
+def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
+                launch=launch_mma_forward, **options):
+    """`launch` (launch_mma_forward, or another family's launcher of the same arguments) on
+    random 16-bit inputs into poisoned outputs; out checked by the rule against float64, lse
+    against float64 (the same rows -inf, the others within 1e-4)."""
     nheads = shape[3]
     spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
     case = Layout(rng, spec, shape, lengths, options.get("mask_mod"))
@@ -122,9 +125,9 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, 
                                  ((0, nheads), (1, kv_heads), (1, kv_heads)))
     out = np.full(qb.shape, NAN16, np.uint16)  # poisoned
     lse = np.full(case.lse_shape, np.nan, np.float32)
-    launch_mma_forward(spec, qb, kb, vb, out, lse, config=config,
-                       extras=case.kernel_extras(spec, qb, kb, lse),
-                       tiles=case.tiles(spec, qb, kb, lse))
+    tiles = {"tiles": case.tiles(spec, qb, kb, lse)} if spec.mask_mod is not None else {}
+    launch(spec, qb, kb, vb, out, lse, config=config,
+           extras=case.kernel_extras(spec, qb, kb, lse), **tiles)
     q, k, v = (case.ref(x) for x in (q, k, v))
     ref_out, ref_lse = attention_forward(np, q, k, v, spec, np.float64, case.extras)
     base_out, _ = plain16_forward(np, q, k, v, spec, dtype, case.extras)

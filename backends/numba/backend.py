@@ -2,17 +2,20 @@
 
 Each backend holds engines, one per kernel family, in order of preference, and runs a call on
 the first engine whose `reason(spec, q, k, v)` is None:
-  - "numba": the tensor-core engine (mma/: float16 and bfloat16 on compute capability 8.0 or
-    newer), else the SIMT engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
-  - "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks and tests).
+  - "numba": the Hopper engine (hopper/: wgmma, float16 and bfloat16 on compute capability
+    9.0; its backward on the tensor-core engine's kernels for now), else the tensor-core
+    engine (mma/: float16 and bfloat16 on compute capability 8.0 or newer), else the SIMT
+    engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
+  - "numba-hopper", "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks
+    and tests).
 numba_flash.forward_kvcache runs on the split-KV decode kernels (decode/) on "numba" and
 "numba-simt".
 
 They take device arrays (CuPy, torch, Numba, anything with __cuda_array_interface__) and launch
 on the caller's current stream. Under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, for
 machines without a GPU) they take host arrays (NumPy, or CPU torch tensors for bfloat16)
-instead; there "numba" uses SIMT only, and "numba-mma" runs the tensor-core kernels through
-the intrinsics' Python twins. Numba is imported only when a backend is first used.
+instead; there "numba" uses SIMT only, and "numba-hopper" and "numba-mma" run their kernels
+through the intrinsics' Python twins. Numba is imported only when a backend is first used.
 """
 import contextlib
 import functools
@@ -24,6 +27,7 @@ from numba_flash.extras import NO_EXTRAS
 from . import replay
 from .decode.engine import DecodeEngine
 from .gpu import simulator_enabled
+from .hopper.engine import HopperEngine
 from .launch import on_device
 from .mma.engine import MmaEngine
 from .simt.engine import SimtEngine
@@ -34,7 +38,7 @@ class NumbaBackend(Backend):
     name = "numba"
     dtypes = ("float16", "bfloat16", "float32")
     #: the engines this backend may use, in order of preference
-    engines = (MmaEngine(), SimtEngine())
+    engines = (HopperEngine(backward_engine=MmaEngine()), MmaEngine(), SimtEngine())
     #: the KV-cache engine (decode/), or None
     decode = DecodeEngine()
 
@@ -182,6 +186,14 @@ def _batched(spec, arrays):
     if not spec.varlen:
         return tuple(arrays)
     return tuple(_arrays.with_batch_axis(x) for x in arrays)
+
+
+class NumbaHopperBackend(NumbaBackend):
+    name = "numba-hopper"
+    dtypes = ("float16", "bfloat16")
+    engines = (HopperEngine(backward_engine=MmaEngine(run_in_simulator=True),
+                            run_in_simulator=True),)
+    decode = None
 
 
 class NumbaMmaBackend(NumbaBackend):

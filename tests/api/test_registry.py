@@ -8,7 +8,8 @@ from numba_flash import registry
 
 
 def test_list_backends_names_every_registered_backend():
-    assert numba_flash.list_backends() == ["numba", "numba-mma", "numba-simt", "cupy", "numpy"]
+    assert numba_flash.list_backends() == [
+        "numba", "numba-hopper", "numba-mma", "numba-simt", "cupy", "numpy"]
 
 
 def test_get_backend_returns_objects_with_the_contract():
@@ -21,7 +22,8 @@ def test_get_backend_returns_objects_with_the_contract():
 
 def test_unknown_name_lists_the_registered_ones():
     with pytest.raises(ValueError, match=r"unknown backend 'flash3'; registered backends: "
-                                         r"numba, numba-mma, numba-simt, cupy, numpy"):
+                                         r"numba, numba-hopper, numba-mma, numba-simt, cupy, "
+                                         r"numpy"):
         numba_flash.get_backend("flash3")
     q, k, v = random_qkv(np.random.default_rng(), 1, 4, 4, 1, 8, "float32")
     with pytest.raises(ValueError, match="unknown backend 'nope'; registered backends"):
@@ -66,7 +68,7 @@ def test_auto_uses_the_first_backend_that_supports_the_call(rng):
     # float64 host arrays: numba refuses the dtype, cupy needs device arrays (or is absent).
     assert selection.name == "numpy"
     assert "float64 is not supported" in selection.skipped["numba"]
-    assert set(selection.skipped) == {"numba", "numba-mma", "numba-simt", "cupy"}
+    assert set(selection.skipped) == {"numba", "numba-hopper", "numba-mma", "numba-simt", "cupy"}
     text = str(selection)
     assert "using backend 'numpy'" in text and "numba: not used because" in text
 
@@ -91,7 +93,7 @@ def test_backend_that_cannot_serve_the_call_says_why(rng):
 
 def test_available_backends_gives_reasons_without_a_gpu(monkeypatch):
     available = numba_flash.available_backends()
-    assert set(available) == {"numba", "numba-mma", "numba-simt", "cupy", "numpy"}
+    assert set(available) == {"numba", "numba-hopper", "numba-mma", "numba-simt", "cupy", "numpy"}
     assert available["numpy"] is None
     assert available["numba"] is None  # the tests run the kernels in the simulator
     # Outside the simulator, on this GPU-less machine, numba says what is missing.

@@ -1,11 +1,13 @@
-"""The three Numba backends: which kernels each picks, and the tensor-core path through the
-public API (16-bit views, padded head dims, copies of views the kernels cannot read in place)."""
+"""The Numba backends: which kernels each picks, and the tensor-core and Hopper paths through
+the public API (16-bit views, padded head dims, copies of views the kernels cannot read in
+place)."""
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
 from inputs import random_qkv
 
 import numba_flash
+from numba_flash.backends.numba.hopper import engine as hopper_engine
 from numba_flash.backends.numba.marshal import is_tile_ready
 from numba_flash.backends.numba.mma import engine as mma_engine
 from numba_flash.backends.numba.mma.config import mma_head_dim
@@ -14,7 +16,7 @@ from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 from numba_flash.testing import plain16_backward, plain16_forward, round16
 
-MMA, SIMT = "tensor cores", "SIMT"
+HOPPER, MMA, SIMT = "Hopper (wgmma)", "tensor cores", "SIMT"
 
 
 def engine_of(backend, q):
@@ -26,6 +28,7 @@ def engine_of(backend, q):
 def test_numba_uses_simt_in_the_simulator_and_numba_mma_tensor_cores(rng):
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 16, "float16")
     assert engine_of("numba", q) == (SIMT, None)
+    assert engine_of("numba-hopper", q) == (HOPPER, None)
     assert engine_of("numba-mma", q) == (MMA, None)
     assert engine_of("numba-simt", q) == (SIMT, None)
     torch = pytest.importorskip("torch")
@@ -36,25 +39,38 @@ def test_numba_uses_simt_in_the_simulator_and_numba_mma_tensor_cores(rng):
 def on_a_gpu(monkeypatch):
     """Pretend the arrays are on a GPU of a given compute capability."""
     def set_capability(cc):
-        for module in (mma_engine, simt_engine):
+        for module in (hopper_engine, mma_engine, simt_engine):
             monkeypatch.setattr(module, "simulator_enabled", lambda: False)
             monkeypatch.setattr(module, "compute_capability", lambda device: cc)
         monkeypatch.setattr(mma_engine._arrays, "device_id", lambda x: 0)
     return set_capability
 
 
-def test_numba_picks_tensor_cores_on_sm80_and_newer(rng, on_a_gpu):
-    on_a_gpu((9, 0))
+def test_numba_picks_wgmma_on_sm90_and_mma_sync_on_other_gpus_from_sm80(rng, on_a_gpu):
     q16, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float16")
     q32, _, _ = random_qkv(rng, 1, 4, 4, 1, 24, "float32")
     d200, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")
     wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 272, "float16")  # (beyond what the API takes)
-    assert engine_of("numba", q16) == (MMA, None)
-    assert engine_of("numba", q32) == (SIMT, None)  # float32: tensor cores are for 16-bit types
-    assert engine_of("numba", d200) == (MMA, None)
-    assert engine_of("numba", wide) == (SIMT, None)  # no tensor-core config
-    chosen, reason = engine_of("numba-mma", wide)
-    assert chosen is None and "headdim <= 256, not 272" in reason
+    for cc, sixteen_bit in (((9, 0), HOPPER), ((8, 0), MMA), ((8, 9), MMA), ((10, 0), MMA)):
+        on_a_gpu(cc)
+        assert engine_of("numba", q16) == (sixteen_bit, None)
+        assert engine_of("numba", q32) == (SIMT, None)  # float32: tensor cores are for 16 bits
+        assert engine_of("numba", d200) == (sixteen_bit, None)
+        assert engine_of("numba", wide) == (SIMT, None)  # no tensor-core config
+        chosen, reason = engine_of("numba-mma", wide)
+        assert chosen is None and "headdim <= 256, not 272" in reason
+    chosen, reason = engine_of("numba-hopper", q16)
+    assert chosen is None and "need compute capability 9.0; this GPU has 10.0" in reason
+
+
+def test_the_hopper_engine_leaves_masks_to_the_tensor_core_engine(rng, on_a_gpu):
+    on_a_gpu((9, 0))
+    q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
+    spec = make_spec(q, attn_mask="bool")
+    chosen, reason = numba_flash.get_backend("numba").engine(spec, q, q, q)
+    assert chosen.name == MMA
+    chosen, reason = numba_flash.get_backend("numba-hopper").engine(spec, q, q, q)
+    assert chosen is None and "do not read an attn_mask or a mask_mod yet" in reason
 
 
 def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):

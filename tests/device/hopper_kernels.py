@@ -8,10 +8,10 @@ from numba import cuda
 from numba.core.types import float32, uint16, uint64
 
 from numba_flash.backends.numba.device.intrinsics import (
-    cp_async_16_to, cp_async_commit, cp_async_wait, descriptor_at, fence_mbarrier_init,
-    fence_proxy_async, make_descriptor, make_fence_operands, make_wgmma, mbarrier_arrive,
-    mbarrier_init, mbarrier_wait, named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc,
-    shared_base, wgmma_commit, wgmma_fence, wgmma_wait)
+    cp_async_16_from, cp_async_commit, cp_async_wait, descriptor_at, fence_mbarrier_init,
+    fence_proxy_async, global_address, make_descriptor, make_fence_operands, make_wgmma,
+    mbarrier_arrive, mbarrier_init, mbarrier_wait, named_barrier_sync, setmaxnreg_dec,
+    setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence, wgmma_wait)
 
 D = 128  # columns of the scores kernel's operands (two 64-column blocks)
 N = 64  # keys of the scores kernel, columns of P V's output
@@ -146,10 +146,10 @@ BARRIERS = 2 * STAGES  # a full and an empty mbarrier per stage
 
 def pipeline_kernel(src, out):
     """A producer warpgroup (registers given back) streams src's tiles (tiles, 16, 1, 64)
-    through two shared stages with cp.async to shared addresses, full/empty mbarriers per
-    stage; a consumer warpgroup (registers taken) copies each tile to out, meeting at a named
-    barrier before it frees the stage. Every stage takes several tiles, so the barriers'
-    phases wrap."""
+    through two shared stages with cp.async from global to shared addresses, full/empty
+    mbarriers per stage; a consumer warpgroup (registers taken) copies each tile to out,
+    meeting at a named barrier before it frees the stage. Every stage takes several tiles, so
+    the barriers' phases wrap."""
     smem = cuda.shared.array(0, uint16)
     barriers = cuda.shared.array(BARRIERS, uint64)
     tid = cuda.threadIdx.x
@@ -169,8 +169,8 @@ def pipeline_kernel(src, out):
         for i in range(tiles):
             s = i % STAGES
             mbarrier_wait(empty + 8 * s, ((i // STAGES) + 1) % 2)  # (fresh: passes at once)
-            cp_async_16_to(base + s * TILE_ROWS * TILE_COLS * 2 + row * 128 + col * 2,
-                           src, i, row, 0, col, 16)
+            cp_async_16_from(base + s * TILE_ROWS * TILE_COLS * 2 + row * 128 + col * 2,
+                             global_address(src, i, row, 0, col), 16)
             cp_async_commit()
             cp_async_wait(0)
             fence_proxy_async()

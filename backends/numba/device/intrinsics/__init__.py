@@ -10,7 +10,8 @@ of the warp (warpgroup) calls them together, as on the GPU.
 """
 from ._llvm import SHARED_ALIGN, SIMULATED
 from .bitcast import bits_of_float32, float32_from_bits
-from .cp_async import cp_async_16, cp_async_16_to, cp_async_commit, cp_async_wait
+from .cp_async import (advance, cp_async_16, cp_async_16_from, cp_async_commit,
+                       cp_async_wait, global_address)
 from .ex2 import exp2
 from .ldmatrix import ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at
 from .mbarrier import (fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_init,
@@ -23,12 +24,13 @@ from .warpgroup import named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc
 from .wgmma import (descriptor_at, make_descriptor, make_fence_operands, make_wgmma,
                     wgmma_commit, wgmma_fence, wgmma_wait)
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "bits_of_float32", "cp_async_16", "cp_async_16_to",
-           "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2", "fence_mbarrier_init",
-           "fence_proxy_async", "float32_from_bits", "ldmatrix_x4", "ldmatrix_x4_at",
-           "ldmatrix_x4_trans", "ldmatrix_x4_trans_at", "make_descriptor",
-           "make_fence_operands", "make_wgmma", "mbarrier_arrive", "mbarrier_init",
-           "mbarrier_wait", "mma_bf16", "mma_f16", "named_barrier_sync", "pack_bf16x2",
-           "pack_f16x2", "unpack_bf16x2", "unpack_f16x2", "load_f32x4", "opaque", "reciprocal",
+__all__ = ["SHARED_ALIGN", "SIMULATED", "advance", "bits_of_float32", "cp_async_16",
+           "cp_async_16_from", "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2",
+           "fence_mbarrier_init", "fence_proxy_async", "float32_from_bits", "global_address",
+           "ldmatrix_x4", "ldmatrix_x4_at", "ldmatrix_x4_trans", "ldmatrix_x4_trans_at",
+           "load_f32x4", "make_descriptor", "make_fence_operands", "make_wgmma",
+           "mbarrier_arrive", "mbarrier_init", "mbarrier_wait", "mma_bf16", "mma_f16",
+           "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2", "reciprocal",
            "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "shared_base", "shared_tile",
-           "shfl_xor", "syncwarp", "wgmma_commit", "wgmma_fence", "wgmma_wait"]
+           "shfl_xor", "syncwarp", "unpack_bf16x2", "unpack_f16x2", "wgmma_commit",
+           "wgmma_fence", "wgmma_wait"]

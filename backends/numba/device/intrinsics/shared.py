@@ -170,6 +170,9 @@ def _shared_address_python(array, row, col):
 
 
 def _opaque_python(value):
+    """(The twin checks what the device would truncate: 32 bits.)"""
+    if not (isinstance(value, _SharedAddress) or 0 <= int(value) < 2**32):
+        raise ValueError(f"opaque takes a 32-bit value (a shared address); got {value!r}")
     return value
 
 

@@ -1,0 +1,125 @@
+"""Register tiles in the accumulator layout that mma.sync m16n8k16 and wgmma m64nNk16 share,
+and what every tensor-core family does with them: the online softmax of a tile of scores, P
+packed as A fragments, rows of O stored.
+
+A warp holds 16 rows of a tile (a 16-row slice; a wgmma warpgroup's warp w holds rows 16w..)
+as (slices, 8-column blocks, 4) float32 arrays: with g = lane // 4 and t = lane % 4, entry
+[sl, j, r] is row 16·sl + g + 8·(r // 2), column 8·j + 2t + r % 2 of the warp's slices. So each
+row's values sit in the 4 lanes of a quad (combined by shuffles), and two adjacent 8-column
+blocks, packed to 16 bits, are the A fragment of a 16-wide chunk (mma's and wgmma's alike):
+P goes from the scores' registers straight into the P V product.
+"""
+import functools
+
+from numba import cuda, float32, uint16
+
+from .constants import NEG_INF, ZERO
+from .intrinsics import pack_bf16x2, pack_f16x2, shfl_xor
+from .mask import make_mask
+from .score_mod import make_score_mod
+from .softmax import online_update, probability
+
+
+def _pack(bf16):
+    return pack_bf16x2 if bf16 else pack_f16x2
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
+    """(probabilities, rescale) for score tiles of nb_count 8-key blocks and O accumulators of
+    db_count 8-column blocks:
+
+    probabilities(s, sl, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre, slope, offset,
+                  seqlen_k, mask_at):
+        slice sl of the scores s (raw Q Kᵀ, keys n0..) becomes P in place: the score mod
+        (device/score_mod.py), the mask on a partial tile (device/mask.py), the online update
+        of the running max m_i[sl, :] and sum l_i[sl, :] (this lane's share of each row's),
+        alpha[half] = exp2(m_old - m_new) for the rows row_lo and row_lo + 8.
+    rescale(acc, sl, alpha): slice sl of the O accumulator times alpha, row by row.
+    """
+    visible = make_mask(spec, key_bound)
+    score_mod = make_score_mod(spec)
+    SCORE_MOD, modified_score = score_mod.active, score_mod.score
+
+    @cuda.jit(device=True, inline="always")
+    def probabilities(s, sl, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre, slope,
+                      offset, seqlen_k, mask_at):
+        t = cuda.threadIdx.x % 4
+        if SCORE_MOD:  # (before the mask, which must leave -inf)
+            for nb in range(nb_count):
+                for r in range(4):
+                    s[sl, nb, r] = modified_score(s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
+                                                  n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k,
+                                                  mask_at)
+        # Mask: -inf where the row does not see the key (partial tiles only).
+        if partial:
+            for nb in range(nb_count):
+                for r in range(4):
+                    if not visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2,
+                                   seqlen_k, offset, mask_at):
+                        s[sl, nb, r] = NEG_INF
+        # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken on the
+        # unscaled scores (the scale is positive).
+        ref = cuda.local.array(2, float32)
+        for half in range(2):
+            tile_max = NEG_INF
+            for nb in range(nb_count):
+                tile_max = max(tile_max, max(s[sl, nb, 2 * half], s[sl, nb, 2 * half + 1]))
+            for mask in (1, 2):
+                tile_max = max(tile_max, shfl_xor(tile_max, mask))
+            m_i[sl, half], ref[half], alpha[half] = online_update(m_i[sl, half],
+                                                                  tile_max * tile_scale)
+        # P = exp2(S·scale·log2(e) - m), in place of S.
+        for half in range(2):
+            row_sum = ZERO
+            for nb in range(nb_count):
+                for c in range(2):
+                    s[sl, nb, 2 * half + c] = probability(s[sl, nb, 2 * half + c], tile_scale,
+                                                          ref[half])
+                row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
+            l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
+
+    @cuda.jit(device=True, inline="always")
+    def rescale(acc, sl, alpha):
+        for db in range(db_count):
+            for r in range(4):
+                acc[sl, db, r] *= alpha[r // 2]
+
+    return probabilities, rescale
+
+
+@functools.lru_cache(maxsize=None)
+def make_pack_chunk(bf16):
+    """pack_chunk(p, sl, kc) -> the 4 uint32 A-fragment registers of keys 16·kc.. of slice sl
+    of a float32 tile p (its 8-column blocks 2·kc and 2·kc + 1), rounded to 16 bits."""
+    pack = _pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def pack_chunk(p, sl, kc):
+        return (pack(p[sl, 2 * kc, 0], p[sl, 2 * kc, 1]), pack(p[sl, 2 * kc, 2], p[sl, 2 * kc, 3]),
+                pack(p[sl, 2 * kc + 1, 0], p[sl, 2 * kc + 1, 1]),
+                pack(p[sl, 2 * kc + 1, 2], p[sl, 2 * kc + 1, 3]))
+
+    return pack_chunk
+
+
+@functools.lru_cache(maxsize=None)
+def make_fragment_store(bf16, db_count):
+    """store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
+    rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from slice sl of
+    an accumulator, times the row's scale; rows at or past nrows are not written."""
+    pack = _pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi):
+        t = cuda.threadIdx.x % 4
+        for half in range(2):
+            row = row_lo + 8 * half
+            scale = scale_hi if half else scale_lo
+            if row < nrows:
+                for db in range(db_count):
+                    word = pack(acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale)
+                    dst[b, row, h, col0 + 8 * db + 2 * t] = uint16(word & 0xFFFF)
+                    dst[b, row, h, col0 + 8 * db + 2 * t + 1] = uint16(word >> 16)
+
+    return store

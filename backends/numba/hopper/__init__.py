@@ -1,0 +1,1 @@
+"""The Hopper kernel family: wgmma, mbarrier pipelines and warp specialisation (sm_90a)."""

@@ -1,0 +1,67 @@
+"""Tile configurations of the Hopper kernels: one frozen dataclass, a table by head dim, and the
+shared memory a config takes (hopper/layout.py lays it out)."""
+from dataclasses import dataclass
+
+from ..config_table import lookup
+
+WARPGROUP = 128
+#: registers per thread each role keeps (setmaxnreg) in a block of 2 consumer warpgroups:
+#: the producer gives back what the consumers take, within the 64K registers of one block
+#: per multiprocessor (launch_bounds=(threads, 1) caps every thread at 65536 / threads first).
+#: The producer's cp.async loop spills below 72 (d128 with every variant: 56 spilled 8
+#: bytes); the d256 consumers below about 200.
+REGISTERS = {2: (72, 216)}
+#: shared memory a Hopper block may take (sm_90's opt-in limit)
+HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Tile shape of the Hopper forward: one producer warpgroup and `consumers` consumer
+    warpgroups of 64 query rows each (block_m = 64 · consumers), key tiles of block_n keys
+    in a pipeline of `stages` K and V buffers."""
+
+    block_n: int
+    consumers: int = 2
+    stages: int = 2
+
+    @property
+    def block_m(self):
+        return 64 * self.consumers
+
+    @property
+    def threads(self):
+        return WARPGROUP * (1 + self.consumers)
+
+    @property
+    def registers(self):
+        """(producer, consumer) registers per thread after setmaxnreg."""
+        return REGISTERS[self.consumers]
+
+
+_HOPPER_FORWARD = (
+    (64, HopperConfig(block_n=128)),
+    (128, HopperConfig(block_n=128)),
+    (256, HopperConfig(block_n=64)),
+)
+
+
+def column_blocks(head_dim):
+    """64-column blocks of a tile's rows (the 128-byte swizzle's row width, 16-bit data)."""
+    return -(-head_dim // 64)
+
+
+def tile_bytes(rows, head_dim):
+    return rows * column_blocks(head_dim) * 128
+
+
+def hopper_forward_shared_bytes(config, head_dim):
+    """The Q tile, `stages` K and V tiles, and 1024 bytes to align them to the swizzle's
+    atoms (the mbarriers are static shared memory)."""
+    return (tile_bytes(config.block_m, head_dim)
+            + 2 * config.stages * tile_bytes(config.block_n, head_dim) + 1024)
+
+
+def hopper_forward_config(head_dim):
+    """The Hopper forward's config for head_dim (a multiple of 16), or None."""
+    return None if head_dim % 16 else lookup(_HOPPER_FORWARD, head_dim)

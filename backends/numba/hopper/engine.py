@@ -1,0 +1,71 @@
+"""The Hopper engine: wgmma kernels for float16 and bfloat16 on compute capability 9.0 (sm_90a),
+head dims up to 256 (run padded to 64, 128 or 256).
+
+Its forward is the Hopper forward (fwd.py). Its backward is, for now, another engine's: the
+backend hands it one (the tensor-core engine's mma.sync kernels, which read the same out and
+lse), so that a training step runs its forward here and its backward there; the wgmma
+backward is the next kernel of this family.
+
+Under the simulator the kernels run through the intrinsics' Python twins, slowly: only an
+engine made with run_in_simulator=True (the "numba-hopper" backend's) takes calls there.
+"""
+from numba_flash import _arrays
+
+from .. import marshal
+from ..engine import Engine
+from ..gpu import compute_capability, simulator_enabled
+from .config import hopper_forward_config
+from .fwd import launch_hopper_forward
+
+DTYPES = ("float16", "bfloat16")
+HOPPER_CC = (9, 0)
+
+
+def hopper_head_dim(head_dim):
+    """The head dim the Hopper kernels run head_dim at (64, 128 or 256), or None above 256."""
+    for padded in (64, 128, 256):
+        if head_dim <= padded:
+            return padded
+    return None
+
+
+class HopperEngine(Engine):
+    name = "Hopper (wgmma)"
+
+    def __init__(self, backward_engine, run_in_simulator=False):
+        self.backward_engine = backward_engine
+        self.run_in_simulator = run_in_simulator
+
+    def reason(self, spec, q, k, v):
+        if spec.dtype not in DTYPES:
+            return f"the Hopper kernels take float16 or bfloat16, not {spec.dtype}"
+        head_dim = hopper_head_dim(spec.head_dim)
+        if head_dim is None or hopper_forward_config(head_dim) is None:
+            return f"the Hopper kernels cover headdim <= 256, not {spec.head_dim}"
+        if spec.attn_mask is not None or spec.mask_mod is not None:
+            return "the Hopper kernels do not read an attn_mask or a mask_mod yet"
+        if simulator_enabled():
+            if not self.run_in_simulator:
+                return ("under the CUDA simulator only backend 'numba-hopper' runs the Hopper "
+                        "kernels")
+        else:
+            cc = compute_capability(_arrays.device_id(q))
+            if cc != HOPPER_CC:
+                return (f"the Hopper kernels (wgmma, sm_90a) need compute capability 9.0; this "
+                        f"GPU has {cc[0]}.{cc[1]}")
+        return self.backward_engine.reason(spec, q, k, v)
+
+    def forward(self, spec, q, k, v, out, lse, alloc, stream, extras):
+        head_dim = hopper_head_dim(spec.head_dim)
+        inputs = [marshal.tile_ready_input(x, alloc, head_dim, stream, bits=True)
+                  for x in (q, k, v)]
+        out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
+        lse_view = marshal.view(lse)
+        launch_hopper_forward(spec, *inputs, out_view, lse_view, stream,
+                              extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
+        if out_final is not None:
+            marshal.copy_padded(out_view, out_final, stream)
+
+    def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
+        self.backward_engine.backward(spec, dout, q, k, v, out, lse, delta, grads, alloc,
+                                      stream, extras)

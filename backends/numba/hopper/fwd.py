@@ -1,0 +1,255 @@
+"""FlashAttention forward on Hopper (sm_90a): wgmma products, an mbarrier pipeline fed by a
+producer warpgroup, register reallocation between the roles, in Numba.
+
+Run by the Hopper engine (engine.py) for float16/bfloat16 on compute capability 9.0.
+
+One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or sequence) of
+1 + CONSUMERS warpgroups (FlashAttention-3's warp specialisation):
+  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and copies tiles into
+    shared memory with cp.async (layout.py: the 128-byte swizzle wgmma reads): the Q tile
+    once, then for each key tile its K and V tiles into stage j % STAGES, each after the
+    consumers freed that stage (the stage's `empty` mbarrier), each announced on its `full`
+    mbarrier once landed (every producer thread waits for its own copies, fences them for
+    the async proxy and arrives).
+  - warpgroups 1.. are consumers of 64 query rows each; they take the registers
+    (setmaxnreg.inc). Per key tile: S = Q Kᵀ by D/16 wgmma products from the shared tiles (Q
+    and K K-major), the K stage freed; the score mod, mask and online softmax on S in
+    registers (device/fragments.py: the accumulator layout is mma.sync's, 16 rows a warp);
+    P packed to 16 bits in registers as wgmma's A fragments; O += P V by BLOCK_N/16 products
+    with A from registers and V MN-major; the V stage freed. O and lse leave from registers.
+  - Tiles wholly masked are not visited (device/block_range.py), the mask runs on partial
+    tiles only; GQA: the block of query head h reads key/value head h // group; varlen:
+    grid.z runs over the packed sequences (device/sequence.py).
+Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
+float32.
+"""
+import functools
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32, uint64
+
+from ..device.block_range import make_block_range
+from ..device.constants import LOG2E, NEG_INF, ZERO
+from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
+from ..device.intrinsics import (SIMULATED, cp_async_commit, cp_async_wait, descriptor_at,
+                                 fence_mbarrier_init, fence_proxy_async, make_descriptor,
+                                 make_fence_operands, make_wgmma, mbarrier_arrive,
+                                 mbarrier_init, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
+                                 shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.score_mod import make_score_mod
+from ..device.sequence import grid_extent, make_sequence
+from ..device.softmax import finalize
+from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
+from .config import WARPGROUP, hopper_forward_config, hopper_forward_shared_bytes, tile_bytes
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, k_step, make_tile_loader
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_forward_kernel_function(config, spec):
+    """The plain Python kernel for one HopperConfig and kernel spec (AttentionSpec.for_kernels(),
+    head_dim a multiple of 16)."""
+    if spec.head_dim % 16 or config.block_n % 16:
+        raise ValueError("head_dim and block_n must be multiples of 16")
+    BLOCK_M, BLOCK_N, D = config.block_m, config.block_n, spec.head_dim
+    CONSUMERS, STAGES = config.consumers, config.stages
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.registers
+    NB, DB, KD, KC = BLOCK_N // 8, D // 8, D // 16, BLOCK_N // 16
+    Q_BYTES, KV_BYTES = tile_bytes(BLOCK_M, D), tile_bytes(BLOCK_N, D)
+    K_START = Q_BYTES  # K stages, then V stages, after the Q tile
+    V_START = K_START + STAGES * KV_BYTES
+    # mbarriers (8 bytes each): Q full; K full, V full, K empty, V empty per stage
+    K_FULL, V_FULL = 8, 8 * (1 + STAGES)
+    K_EMPTY, V_EMPTY = 8 * (1 + 2 * STAGES), 8 * (1 + 3 * STAGES)
+    BARRIERS = 1 + 4 * STAGES
+    S_SHAPE, ACC_SHAPE, P_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
+
+    load_q = make_tile_loader(D, BLOCK_M)
+    load_kv = make_tile_loader(D, BLOCK_N)
+    scores_product = make_wgmma(BLOCK_N, spec.bf16)
+    pv_product = make_wgmma(D, spec.bf16, a_from_registers=True, b_mn_major=True)
+    fence_scores, fence_out = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
+    fence_p = make_fence_operands(KC * 4)
+    probabilities, rescale = make_tile_softmax(spec, NB, DB)
+    pack_chunk = make_pack_chunk(spec.bf16)
+    store = make_fragment_store(spec.bf16, DB)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    score_mod = make_score_mod(spec)
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
+
+    @cuda.jit(device=True, inline="always")
+    def produce(smem_base, bars, q, k, v, b, q_row0, q_end, k_start, k_end, h, h_kv, n_begin,
+                n_tiles):
+        """The producer warpgroup: Q, then each key tile's K and V, one commit group each.
+        After issuing a group it waits for the one before (cp.async completes in order),
+        fences it for the async proxy and announces it: two groups in flight per thread."""
+        load_q(smem_base, q, b, q_row0, h, q_end)
+        cp_async_commit()
+        landed = bars  # the barrier of the group before the newest: Q's first
+        for j in range(n_tiles):
+            s = j % STAGES
+            free = ((j // STAGES) + 1) % 2  # (the parity a fresh barrier passes at once)
+            row0 = k_start + n_begin + j * BLOCK_N
+            mbarrier_wait(bars + K_EMPTY + 8 * s, free)
+            load_kv(smem_base + K_START + s * KV_BYTES, k, b, row0, h_kv, k_end)
+            cp_async_commit()
+            cp_async_wait(1)
+            fence_proxy_async()  # why: cp.async wrote through the generic proxy; wgmma reads
+            mbarrier_arrive(landed)  # through the async proxy
+            mbarrier_wait(bars + V_EMPTY + 8 * s, free)
+            load_kv(smem_base + V_START + s * KV_BYTES, v, b, row0, h_kv, k_end)
+            cp_async_commit()
+            cp_async_wait(1)
+            fence_proxy_async()
+            mbarrier_arrive(bars + K_FULL + 8 * s)
+            landed = bars + V_FULL + 8 * s
+        cp_async_wait(0)
+        fence_proxy_async()
+        mbarrier_arrive(landed)
+
+    def flash_forward_hopper(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
+                             cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
+        tid = cuda.threadIdx.x
+        warpgroup = tid // WARPGROUP
+        m0 = query_tile_index() * BLOCK_M
+        h = cuda.blockIdx.y
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence; the whole block leaves)
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_tiles = max(0, n_end - n_begin + BLOCK_N - 1) // BLOCK_N
+
+        smem = cuda.shared.array(0, uint16)  # dynamic: Q, K and V tiles
+        barrier_words = cuda.shared.array(BARRIERS, uint64)
+        smem_base = shared_base(smem, ATOM_BYTES)  # tiles start on the swizzle's atoms
+        bars = shared_base(barrier_words, 8)
+        if tid == 0:
+            mbarrier_init(bars, WARPGROUP)  # Q full: every producer thread arrives
+            for stage in range(STAGES):
+                mbarrier_init(bars + K_FULL + 8 * stage, WARPGROUP)
+                mbarrier_init(bars + V_FULL + 8 * stage, WARPGROUP)
+                mbarrier_init(bars + K_EMPTY + 8 * stage, CONSUMERS)  # one thread of each
+                mbarrier_init(bars + V_EMPTY + 8 * stage, CONSUMERS)  # consumer arrives
+            fence_mbarrier_init()
+        cuda.syncthreads()  # why: the barriers are initialised before anyone uses them
+
+        if warpgroup == 0:
+            setmaxnreg_dec(PRODUCER_REGISTERS)
+            produce(smem_base, bars, q, k, v, b, q_start + m0, q_start + seqlen_q, k_start,
+                    k_start + seqlen_k, h, h_kv, n_begin, n_tiles)
+        else:
+            setmaxnreg_inc(CONSUMER_REGISTERS)
+            consumer = warpgroup - 1
+            lane = tid % 32
+            # This thread's rows: row_lo and row_lo + 8 (the accumulators' r < 2 and r >= 2).
+            row_lo = m0 + 64 * consumer + 16 * ((tid % WARPGROUP) // 32) + lane // 4
+            offset = seqlen_k - seqlen_q
+            tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+            slope = head_slope(alibi_slopes, seq, h)
+            mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
+
+            s = cuda.local.array(S_SHAPE, float32)
+            acc = cuda.local.array(ACC_SHAPE, float32)
+            p = cuda.local.array(P_SHAPE, uint32)
+            m_i = cuda.local.array((1, 2), float32)  # running row max (log2 units)
+            l_i = cuda.local.array((1, 2), float32)  # this lane's share of the row sum
+            alpha = cuda.local.array(2, float32)
+            for db in range(DB):
+                for r in range(4):
+                    acc[0, db, r] = ZERO
+            for half in range(2):
+                m_i[0, half] = NEG_INF
+                l_i[0, half] = ZERO
+            q_desc = make_descriptor(smem_base + 64 * consumer * ROW_BYTES, K_MAJOR_LEADING,
+                                     ATOM_BYTES)
+            mbarrier_wait(bars, 0)  # the Q tile has landed
+            for j in range(n_tiles):
+                stage = j % STAGES
+                phase = (j // STAGES) % 2
+                n0 = n_begin + j * BLOCK_N
+                k_desc = make_descriptor(smem_base + K_START + stage * KV_BYTES,
+                                         K_MAJOR_LEADING, ATOM_BYTES)
+                v_desc = make_descriptor(smem_base + V_START + stage * KV_BYTES,
+                                         BLOCK_N * ROW_BYTES, ATOM_BYTES)
+
+                # Scores: S = Q Kᵀ, 64 x BLOCK_N per consumer warpgroup, in registers.
+                mbarrier_wait(bars + K_FULL + 8 * stage, phase)
+                fence_scores(s)
+                wgmma_fence()
+                for kk in range(KD):
+                    scores_product(s, descriptor_at(q_desc, k_step(kk, BLOCK_M)),
+                                   descriptor_at(k_desc, k_step(kk, BLOCK_N)),
+                                   1 if kk > 0 else 0)
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_scores(s)
+                if tid % WARPGROUP == 0:
+                    mbarrier_arrive(bars + K_EMPTY + 8 * stage)  # the K stage is read
+
+                # Mask, score mod and online softmax; P in place of S, O rescaled.
+                partial = is_partial(m0, n0, seqlen_q, seqlen_k)
+                probabilities(s, 0, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre,
+                              slope, offset, seqlen_k, mask_at)
+                rescale(acc, 0, alpha)
+                for kc in range(KC):
+                    p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)
+
+                # Accumulate: O += P V, P from registers, V MN-major.
+                mbarrier_wait(bars + V_FULL + 8 * stage, phase)
+                fence_out(acc)
+                fence_p(p)
+                wgmma_fence()
+                for kc in range(KC):
+                    pv_product(acc, (p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3]),
+                               descriptor_at(v_desc, 2 * ATOM_BYTES * kc), 1)
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_out(acc)
+                if tid % WARPGROUP == 0:
+                    mbarrier_arrive(bars + V_EMPTY + 8 * stage)  # the V stage is read
+
+            # Epilogue: row sums over the 4 lanes; out = acc / l; lse = m + log(l).
+            inv_l = cuda.local.array(2, float32)
+            for half in range(2):
+                l_row = l_i[0, half]
+                for mask in (1, 2):
+                    l_row += shfl_xor(l_row, mask)
+                inv_l[half], lse_row = finalize(l_row, m_i[0, half])
+                if lane % 4 == 0 and row_lo + 8 * half < seqlen_q:
+                    lse[b, h, q_start + row_lo + 8 * half] = lse_row
+            store(out, acc, 0, b, q_start + row_lo, h, 0, q_start + seqlen_q, inv_l[0],
+                  inv_l[1])
+
+    return flash_forward_hopper
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_forward_kernel(config, spec):
+    function = hopper_forward_kernel_function(config, spec)
+    if SIMULATED:  # (the simulator takes no launch bounds)
+        return cuda.jit(function)
+    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs
+    return cuda.jit(function, cache=True, launch_bounds=(config.threads, 1))
+
+
+def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None):
+    """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
+    contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run
+    at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
+    cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras). `config` overrides
+    hopper_forward_config (tests, tuning)."""
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
+    config = config or hopper_forward_config(head_dim)
+    if config is None:
+        raise ValueError(f"no Hopper forward config for head_dim {head_dim}")
+    kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
+    grid = (-(-seqlen_q // config.block_m), nheads, batch)
+    launch(kernel, grid, config.threads, stream, hopper_forward_shared_bytes(config, head_dim),
+           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras,
+           *tile_arguments(None, lse, config.block_m, config.block_n))

@@ -1,0 +1,64 @@
+"""The Hopper forward kernel (backends/numba/hopper/fwd.py) against the float64 reference:
+under the simulator at small sizes (the twins of wgmma, mbarriers and cp.async; three
+warpgroups of Python threads, so a few cases, with every variant the engine takes), and with
+`-m gpu` on an sm_90 GPU at real sizes (the variants at real sizes: through the API,
+tests/variants/test_gpu_variants.py, whose "numba" takes this kernel there)."""
+import numpy as np
+import pytest
+from mma_cases import run_forward
+
+from numba_flash.backends.numba.hopper.config import HopperConfig
+from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
+                                                   launch_hopper_forward)
+from numba_flash.spec import AttentionSpec
+
+# (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, block_n, options
+SIMULATOR_CASES = [
+    ((1, 70, 50, 1, 64), None, False, "float16", 32, {}),  # a partial last key tile
+    ((1, 130, 100, 2, 64), 1, True, "bfloat16", 32, {}),  # two query tiles, GQA, rows that
+    #                                                       see no key (seqlen_q > seqlen_k)
+    ((1, 40, 90, 1, 128), None, True, "float16", 64, {}),
+    ((1, 60, 75, 2, 64), 1, False, "float16", 32,
+     dict(window_left=20, window_right=5, softcap=2.0, alibi=True)),
+    ((4, 40, 50, 1, 64), None, True, "bfloat16", 32,
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+]
+
+GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
+              (1, 1500, 700, 4, 128), (1, 600, 900, 4, 256)]
+
+
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, block_n, options", SIMULATOR_CASES,
+                         ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-{len(c[5])}"
+                              for c in SIMULATOR_CASES])
+def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, block_n,
+                                         options):
+    run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
+                launch=launch_hopper_forward, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["x".join(map(str, s)) for s in GPU_SHAPES])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_forward_on_the_gpu(rng, shape, causal, dtype):
+    _needs_sm90()
+    run_forward(rng, shape, causal, dtype, None, launch=launch_hopper_forward)
+
+
+def _needs_sm90():
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("the Hopper kernels need compute capability 9.0")
+
+
+def test_head_dims_and_tiles_the_kernels_refuse():
+    with pytest.raises(ValueError, match="head_dim and block_n must be multiples of 16"):
+        hopper_forward_kernel_function(HopperConfig(block_n=40), AttentionSpec(64, "float16"))
+    with pytest.raises(ValueError, match="the tile loader takes head dims of 64, 128 or 256; "
+                                         "got 96"):
+        hopper_forward_kernel_function(HopperConfig(block_n=64), AttentionSpec(96, "float16"))
+    with pytest.raises(ValueError, match="no Hopper forward config for head_dim 272"):
+        q = np.zeros((1, 16, 1, 272), np.uint16)
+        launch_hopper_forward(AttentionSpec(272, "float16", softmax_scale=0.1), q, q, q, q,
+                              np.zeros((1, 1, 16), np.float32))
