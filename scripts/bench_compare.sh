@@ -10,11 +10,14 @@
 # side (one process per dtype and head dim), so that the timed runs compile nothing. The old
 # tree runs without torch's peers; PEERS (an environment variable, e.g. "--sdpa flash cudnn",
 # default "--no-torch") goes to the new tree's run only, so that the peers are timed once,
-# beside the new tree. Logs and JSON land in $OUT as bench_old.*, bench_new.*, and
-# scripts/bench_diff.py prints the new tree's TFLOP/s against the old's, row by row.
+# beside the new tree. BACKEND (default numba) is the backend compared: both trees run it alone
+# (give the same --backends to bench.py). Logs and JSON land in $OUT as bench_old.*,
+# bench_new.*, and scripts/bench_diff.py prints the new tree's TFLOP/s against the old's, row
+# by row.
 set -uo pipefail
 old=$1 new=$2
 shift 2
+backend=${BACKEND:-numba}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # the dtypes and head dims of the cases, for the warm-up runs
@@ -33,7 +36,7 @@ warm() {  # tree, dtype:head_dim -- the same cases at a tiny size, nothing timed
     local tree=$1 dtype=${2%:*} head_dim=${2#*:}
     PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout 600 python3 "$tree/scripts/bench.py" \
         --dtypes "$dtype" --head-dims "$head_dim" --seqlens 128 --tokens 128 \
-        --causal false true --passes fwd fwdbwd --backends numba --no-torch > /dev/null 2>&1 \
+        --causal false true --passes fwd fwdbwd --backends "$backend" --no-torch > /dev/null 2>&1 \
         || echo "warm-up $tree $dtype d$head_dim: exit $?"
 }
 start=$(date +%s)
@@ -50,4 +53,5 @@ for side in old new; do
         | tee "$OUT/bench_$side.log" | tail -3
 done
 python3 "$(dirname "$0")/bench_diff.py" "$OUT/bench_old.json" "$OUT/bench_new.json" \
+    --backend "$backend" \
     | tee "$OUT/bench_diff.log"

@@ -6,6 +6,7 @@
                                                      #   varlen, attention masks, mask_mod
     python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
+    python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) forward (sm_90)
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -134,6 +135,49 @@ def sanitize_masks(numba_flash, cp, torch):
     return sanitize_variants(numba_flash, cp, torch, masks_only=True)
 
 
+def sanitize_hopper(numba_flash, cp, torch):
+    """The Hopper forward (numba-hopper; its backward is the tensor cores') at SANITIZE_SHAPES
+    (D 200 runs padded to 256), float16 and bfloat16, causal and not, and with GQA, a
+    window, softcap and ALiBi at once and varlen (sequences without queries or keys), each
+    call twice (the second a replay). Skipped on GPUs other than sm_90."""
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        print("sanitize-hopper: not an sm_90 GPU, nothing run")
+        return True
+    rng = np.random.default_rng(4)
+    calls = 0
+    lengths = [(37, 20), (0, 9), (130, 141), (5, 0)]
+    cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
+                  for side in zip(*lengths))
+    varlen = (cu_q, cu_k, *(max(side) for side in zip(*lengths)))
+    for dtype in ("float16", "bfloat16"):
+        for shape in SANITIZE_SHAPES:
+            q, k, v, dout = _arrays(cp, torch, rng, shape, dtype)
+            for causal in (False, True):
+                for _ in range(2):
+                    out, lse = numba_flash.forward(q, k, v, causal=causal, backend="numba-hopper")
+                    numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
+                                         backend="numba-hopper")
+                    calls += 2
+        q, k, v, _ = _arrays(cp, torch, rng, (2, 145, 161, 4, 128), dtype)
+        k, v = (x[:, :, :1].contiguous() if dtype == "bfloat16" else
+                cp.ascontiguousarray(x[:, :, :1]) for x in (k, v))
+        slopes = cp.asarray(rng.uniform(0.05, 0.5, (2, 4)), cp.float32)
+        if dtype == "bfloat16":
+            slopes = torch.from_dlpack(slopes)
+        packed = [x[0] for x in _arrays(cp, torch, rng, (1, int(cu_q[-1]), int(cu_k[-1]), 2,
+                                                         64), dtype)]
+        for _ in range(2):
+            numba_flash.forward(q, k, v, causal=True, window_size=(70, -1), softcap=5.0,
+                                alibi_slopes=slopes, backend="numba-hopper")
+            numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,
+                                       backend="numba-hopper")
+            calls += 2
+    cp.cuda.Device().synchronize()
+    print(f"sanitize-hopper: {calls} calls done")
+    return True
+
+
 def sanitize_kvcache(numba_flash, cp, torch):
     """forward_kvcache at odd sizes: head dim 72, contiguous and paged (block size 16, the
     last block of a sequence partly used), empty and nearly full caches, three new tokens
@@ -246,6 +290,7 @@ def jit(numba_flash, cp, torch):
 
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
          "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
+         "sanitize-hopper": sanitize_hopper,
          "repeat": repeat, "long": long, "jit": jit}
 
 

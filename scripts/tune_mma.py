@@ -1,4 +1,5 @@
-"""Time candidate tile configs of the tensor-core kernels side by side on one GPU.
+"""Time candidate tile configs of the tensor-core kernels side by side on one GPU: the mma.sync
+family's, or with --family hopper the Hopper (wgmma) forward's.
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
@@ -10,6 +11,7 @@ backends/numba/mma/config.py.
     python scripts/tune_mma.py --head-dims 64 128 --seqlen 4096 --passes fwd bwd
     python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
     python scripts/tune_mma.py --head-dims 128 --seqlen 16384 --causal --window 512
+    python scripts/tune_mma.py --family hopper --head-dims 64 128 256 --passes fwd
 
 TFLOP/s count the visible pairs only (a causal or windowed call's masked tiles are skipped).
 """
@@ -25,6 +27,11 @@ FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
     64: [(64, 8, 1), (64, 4, 1), (32, 4, 2), (32, 8, 2), (128, 4, 2), (32, 6, 2)],
     128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2), (64, 6, 1), (32, 4, 2)],
 }
+HOPPER_FORWARD = {  # head_dim -> [(block_n, consumers, stages)]: see HopperConfig
+    64: [(128, 2, 2), (128, 2, 3), (176, 2, 2), (192, 2, 2)],
+    128: [(128, 2, 2), (128, 2, 3), (160, 2, 2), (176, 2, 2)],
+    256: [(64, 2, 2), (80, 2, 2)],
+}
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see MmaBackwardConfig
     64: [(16, 64, 4, 2), (32, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2),
          (64, 64, 4, 2)],
@@ -39,6 +46,8 @@ def config_tuple(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="mma", choices=["mma", "hopper"],
+                        help="hopper: the wgmma forward (fwd only)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--causal", action="store_true")
@@ -49,6 +58,8 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="+", type=config_tuple, metavar="A,B,C[,D]",
                         help="time these configs instead of the tables' (one pass at a time)")
     args = parser.parse_args(argv)
+    if args.family == "hopper" and args.passes != ["fwd"]:
+        parser.error("--family hopper tunes the forward only: --passes fwd")
     if args.configs:
         if len(args.passes) > 1:
             parser.error("--configs needs exactly one of --passes fwd / bwd")
@@ -62,6 +73,8 @@ def main(argv=None):
     import cupy as cp
     from numba import cuda
 
+    from numba_flash.backends.numba.hopper.config import HopperConfig
+    from numba_flash.backends.numba.hopper.fwd import launch_hopper_forward
     from numba_flash.backends.numba.mma.bwd import launch_mma_backward
     from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
     from numba_flash.backends.numba.mma.fwd import launch_mma_forward
@@ -81,14 +94,18 @@ def main(argv=None):
         tag = (f"d{head_dim} N{n} {'causal' if causal else 'full'}"
                f"{f' window {args.window}' if args.window >= 0 else ''}")
         if "fwd" in args.passes:
-            for shape in args.configs or FORWARD[head_dim]:
+            hopper = args.family == "hopper"
+            launch_forward, config_type, fields = (
+                (launch_hopper_forward, HopperConfig, "(block_n, consumers, stages)") if hopper
+                else (launch_mma_forward, MmaConfig, "(block_n, warps, slices)"))
+            for shape in args.configs or (HOPPER_FORWARD if hopper else FORWARD)[head_dim]:
                 out = cp.full(q.shape, cp.nan, q.dtype)
                 lse = cp.empty((batch, nheads, n), cp.float32)
                 views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
                                     for x in (out.view(cp.uint16), lse)]
 
                 def run():
-                    launch_mma_forward(spec, *views, 0, MmaConfig(*shape))
+                    launch_forward(spec, *views, 0, config_type(*shape))
                 try:
                     run()
                 except Exception as exc:
@@ -97,7 +114,7 @@ def main(argv=None):
                     continue
                 error = float(cp.abs(out[first].astype(cp.float64) - ref_out).max())
                 ms = harness.median_ms(run)
-                print(f"fwd {tag} (block_n, warps, slices)={shape}: "
+                print(f"fwd {tag} {args.family} {fields}={shape}: "
                       f"{work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
         if "bwd" in args.passes:
             out = cp.empty(q.shape, q.dtype)

@@ -26,24 +26,20 @@ def _pack(bf16):
 
 @functools.lru_cache(maxsize=None)
 def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
-    """(probabilities, rescale) for score tiles of nb_count 8-key blocks and O accumulators of
-    db_count 8-column blocks:
-
-    probabilities(s, sl, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre, slope, offset,
-                  seqlen_k, mask_at):
-        slice sl of the scores s (raw Q Kᵀ, keys n0..) becomes P in place: the score mod
-        (device/score_mod.py), the mask on a partial tile (device/mask.py), the online update
-        of the running max m_i[sl, :] and sum l_i[sl, :] (this lane's share of each row's),
-        alpha[half] = exp2(m_old - m_new) for the rows row_lo and row_lo + 8.
-    rescale(acc, sl, alpha): slice sl of the O accumulator times alpha, row by row.
-    """
+    """softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope, offset,
+    seqlen_k, mask_at) for score tiles of nb_count 8-key blocks and O accumulators of db_count
+    8-column blocks: slice sl of the scores s (raw Q Kᵀ, keys n0..) becomes P in place (the
+    score mod, device/score_mod.py; the mask on a partial tile, device/mask.py; the online
+    update of the running max m_i[sl, :] and sum l_i[sl, :], this lane's share of each row's,
+    for the rows row_lo and row_lo + 8), and slice sl of the O accumulator is rescaled by
+    exp2(m_old - m_new) row by row."""
     visible = make_mask(spec, key_bound)
     score_mod = make_score_mod(spec)
     SCORE_MOD, modified_score = score_mod.active, score_mod.score
 
     @cuda.jit(device=True, inline="always")
-    def probabilities(s, sl, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre, slope,
-                      offset, seqlen_k, mask_at):
+    def softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope, offset,
+                     seqlen_k, mask_at):
         t = cuda.threadIdx.x % 4
         if SCORE_MOD:  # (before the mask, which must leave -inf)
             for nb in range(nb_count):
@@ -61,6 +57,7 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
         # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken on the
         # unscaled scores (the scale is positive).
         ref = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
         for half in range(2):
             tile_max = NEG_INF
             for nb in range(nb_count):
@@ -69,6 +66,9 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
                 tile_max = max(tile_max, shfl_xor(tile_max, mask))
             m_i[sl, half], ref[half], alpha[half] = online_update(m_i[sl, half],
                                                                   tile_max * tile_scale)
+        for db in range(db_count):
+            for r in range(4):
+                acc[sl, db, r] *= alpha[r // 2]
         # P = exp2(S·scale·log2(e) - m), in place of S.
         for half in range(2):
             row_sum = ZERO
@@ -79,13 +79,7 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
                 row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
             l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
-    @cuda.jit(device=True, inline="always")
-    def rescale(acc, sl, alpha):
-        for db in range(db_count):
-            for r in range(4):
-                acc[sl, db, r] *= alpha[r // 2]
-
-    return probabilities, rescale
+    return softmax_step
 
 
 @functools.lru_cache(maxsize=None)

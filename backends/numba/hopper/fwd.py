@@ -70,7 +70,7 @@ def hopper_forward_kernel_function(config, spec):
     pv_product = make_wgmma(D, spec.bf16, a_from_registers=True, b_mn_major=True)
     fence_scores, fence_out = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
     fence_p = make_fence_operands(KC * 4)
-    probabilities, rescale = make_tile_softmax(spec, NB, DB)
+    softmax_step = make_tile_softmax(spec, NB, DB)
     pack_chunk = make_pack_chunk(spec.bf16)
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
@@ -157,7 +157,6 @@ def hopper_forward_kernel_function(config, spec):
             p = cuda.local.array(P_SHAPE, uint32)
             m_i = cuda.local.array((1, 2), float32)  # running row max (log2 units)
             l_i = cuda.local.array((1, 2), float32)  # this lane's share of the row sum
-            alpha = cuda.local.array(2, float32)
             for db in range(DB):
                 for r in range(4):
                     acc[0, db, r] = ZERO
@@ -192,9 +191,8 @@ def hopper_forward_kernel_function(config, spec):
 
                 # Mask, score mod and online softmax; P in place of S, O rescaled.
                 partial = is_partial(m0, n0, seqlen_q, seqlen_k)
-                probabilities(s, 0, m_i, l_i, alpha, row_lo, n0, partial, tile_scale, pre,
-                              slope, offset, seqlen_k, mask_at)
-                rescale(acc, 0, alpha)
+                softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope,
+                             offset, seqlen_k, mask_at)
                 for kc in range(KC):
                     p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)
 

@@ -31,6 +31,7 @@ from numba import cuda, float32, uint16
 from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
+from ..device.fragments import make_fragment_store
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
 from ..device.mask import make_mask
 from ..device.mask_mod import make_tile_table
@@ -42,7 +43,7 @@ from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import ROW_PAD, mma_backward_config, mma_backward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
-                        make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
+                        make_warp_accumulate, make_warp_scores, x4_address)
 
 
 def _check_split(stages, head_dim, d_split):
@@ -75,7 +76,7 @@ def mma_dk_dv_kernel_function(config, spec):
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(spec.bf16, 1, NQ, D // 16, ROW)
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_M // 16, DB, ROW)
-    store = make_warp_store(spec.bf16, DB)
+    store = make_fragment_store(spec.bf16, DB)
     visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
@@ -238,7 +239,7 @@ def mma_dq_kernel_function(config, spec):
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(spec.bf16, 1, NB, D // 16, ROW)
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_N // 16, DB, ROW)
-    store = make_warp_store(spec.bf16, DB)
+    store = make_fragment_store(spec.bf16, DB)
     visible = make_mask(spec)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)

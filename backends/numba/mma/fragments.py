@@ -1,6 +1,7 @@
 """Warp-level fragments of the tensor-core kernels: the lanes' ldmatrix addresses (x4_address,
-b_address) and the mma loops of every tensor-core kernel (scores, accumulate, store), which
-read at such an address plus constant byte offsets.
+b_address) and the mma loops of every tensor-core kernel (scores, accumulate), which read at
+such an address plus constant byte offsets (the accumulators' softmax, packing and stores are
+device/fragments.py's, shared with the Hopper family).
 
 A warp owns `slices` 16-row slices of its tile (the forward may take two, so that every K/V
 fragment read from shared memory feeds two mma instructions; the backward takes one).
@@ -11,10 +12,11 @@ config.ROW_PAD halves.
 """
 import functools
 
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, uint32
 
+from ..device.fragments import make_pack_chunk
 from ..device.intrinsics import (ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16, mma_f16,
-                                 pack_bf16x2, pack_f16x2, shared_address)
+                                 shared_address)
 from .config import MMA_SHARED_MEMORY_BYTES
 
 
@@ -34,10 +36,6 @@ def check_rows_contiguous(**arrays):
         if x.strides[-1] != x.dtype.itemsize:
             raise ValueError(f"{name}: the last dimension must be contiguous; its stride is "
                              f"{x.strides[-1]} bytes")
-
-
-def _mma_and_pack(bf16):
-    return (mma_bf16, pack_bf16x2) if bf16 else (mma_f16, pack_f16x2)
 
 
 @cuda.jit(device=True, inline="always")
@@ -68,7 +66,7 @@ def make_warp_scores(bf16, slices, nb_count, kd_count, row_halves, a_in_register
     (b_address; B stored row = n, as K for S = Q Kᵀ); tiles have rows of row_halves halves.
     A is read at `a` (x4_address of the first slice; slice sl starts 16·sl rows further) or,
     with a_in_registers, taken from `a`, a (slices, kd_count, 4) array of A fragments."""
-    mma, _ = _mma_and_pack(bf16)
+    mma = mma_bf16 if bf16 else mma_f16
     SLICE_BYTES = 2 * 16 * row_halves
     FRAGMENTS = (slices, 4)
 
@@ -115,15 +113,13 @@ def make_warp_accumulate(bf16, slices, kc_count, db_count, row_halves):
     here to 16 bits: the layout of two 8-column blocks is the A-fragment layout of a 16-wide
     chunk) and B the 16·kc_count x 8·db_count block at b_at (x4_address; B stored row = k, as
     V for O = P V)."""
-    mma, pack = _mma_and_pack(bf16)
+    mma = mma_bf16 if bf16 else mma_f16
+    pack_chunk = make_pack_chunk(bf16)
     FRAGMENTS = (slices, 4)
 
     @cuda.jit(device=True, inline="always")
     def pack_slice(a, p, sl, kc):
-        a[sl, 0] = pack(p[sl, 2 * kc, 0], p[sl, 2 * kc, 1])
-        a[sl, 1] = pack(p[sl, 2 * kc, 2], p[sl, 2 * kc, 3])
-        a[sl, 2] = pack(p[sl, 2 * kc + 1, 0], p[sl, 2 * kc + 1, 1])
-        a[sl, 3] = pack(p[sl, 2 * kc + 1, 2], p[sl, 2 * kc + 1, 3])
+        a[sl, 0], a[sl, 1], a[sl, 2], a[sl, 3] = pack_chunk(p, sl, kc)
 
     @cuda.jit(device=True, inline="always")
     def accumulate(acc, p, b_at):
@@ -147,25 +143,3 @@ def make_warp_accumulate(bf16, slices, kc_count, db_count, row_halves):
                             acc[sl, db + half, r] = d[r]
 
     return accumulate
-
-
-@functools.lru_cache(maxsize=None)
-def make_warp_store(bf16, db_count):
-    """store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
-    rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from slice sl of
-    an accumulator, times the row's scale; rows at or past nrows are not written."""
-    _, pack = _mma_and_pack(bf16)
-
-    @cuda.jit(device=True, inline="always")
-    def store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi):
-        t = cuda.threadIdx.x % 4
-        for half in range(2):
-            row = row_lo + 8 * half
-            scale = scale_hi if half else scale_lo
-            if row < nrows:
-                for db in range(db_count):
-                    word = pack(acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale)
-                    dst[b, row, h, col0 + 8 * db + 2 * t] = uint16(word & 0xFFFF)
-                    dst[b, row, h, col0 + 8 * db + 2 * t + 1] = uint16(word >> 16)
-
-    return store

@@ -12,11 +12,12 @@ BLOCK_N keys are shared by the warps.
   - GQA: the block of query head h reads key/value head h // group. A score mod
     (device/score_mod.py: softcap, ALiBi) replaces each score in registers before the mask.
     varlen: grid.z runs over the packed sequences (device/sequence.py).
-  - Online softmax on the S accumulators in registers (device/softmax.py), log2 units, the
-    row max/sum of a row combined over its 4 lanes with shuffles; the mask (device/mask.py)
-    only on partial tiles (device/block_range.py). A mask_mod's tile table
-    (device/mask_mod.py) narrows the key range and marks tiles no row sees, whose products
-    and softmax are skipped (not their loads: a tile's copy is issued a tile ahead).
+  - Online softmax on the S accumulators in registers (device/fragments.py,
+    device/softmax.py), log2 units, the row max/sum of a row combined over its 4 lanes with
+    shuffles; the mask (device/mask.py) only on partial tiles (device/block_range.py). A
+    mask_mod's tile table (device/mask_mod.py) narrows the key range and marks tiles no row
+    sees, whose products and softmax are skipped (not their loads: a tile's copy is issued a
+    tile ahead).
   - P stays in registers: the S accumulator layout of two adjacent 8-key blocks is exactly the
     A-fragment layout of a 16-key chunk, so P is packed to f16/bf16 and fed to the P·V mma
     (fragments.make_warp_accumulate).
@@ -36,19 +37,19 @@ from numba import cuda, float32, uint16, uint32
 
 from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
+from ..device.fragments import make_fragment_store, make_tile_softmax
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
-from ..device.mask import make_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
-from ..device.softmax import finalize, online_update, probability
+from ..device.softmax import finalize
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import ROW_PAD, mma_forward_config, mma_forward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
-                        make_warp_accumulate, make_warp_scores, make_warp_store, x4_address)
+                        make_warp_accumulate, make_warp_scores, x4_address)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +81,7 @@ def mma_forward_kernel_function(config, spec):
     load_tile = make_cp_async_loader(D, THREADS)
     scores = make_warp_scores(spec.bf16, SL, NB, KD, ROW, Q_IN_REGISTERS)
     accumulate_pv = make_warp_accumulate(spec.bf16, SL, NB // 2, DB, ROW)
-    store = make_warp_store(spec.bf16, DB)
+    store = make_fragment_store(spec.bf16, DB)
 
     if Q_IN_REGISTERS:
         @cuda.jit(device=True, inline="always")
@@ -90,13 +91,11 @@ def mma_forward_kernel_function(config, spec):
         @cuda.jit(device=True, inline="always")
         def q_scores(s, q_frag, q_lane, k_at):
             scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
-    visible = make_mask(spec)
+    softmax_step = make_tile_softmax(spec, NB, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
-    SCORE_MOD, modified_score, exponent_scales = (score_mod.active, score_mod.score,
-                                                  score_mod.scales)
-    head_slope = score_mod.head_slope
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
 
@@ -132,8 +131,6 @@ def mma_forward_kernel_function(config, spec):
         acc = cuda.local.array(ACC_SHAPE, float32)
         m_i = cuda.local.array((SL, 2), float32)  # running row max (log2 units)
         l_i = cuda.local.array((SL, 2), float32)  # this lane's share of the running row sum
-        alpha = cuda.local.array(2, float32)
-        ref = cuda.local.array(2, float32)
         inv_l = cuda.local.array(2, float32)
         for sl in range(SL):
             for db in range(DB):
@@ -188,47 +185,10 @@ def mma_forward_kernel_function(config, spec):
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
             partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
-            if seen:
+            if seen:  # score mod, mask, online softmax: P in place of S, O rescaled
                 for sl in range(SL):
-                    row_lo = m0 + warp_row0 + 16 * sl + g
-                    if SCORE_MOD:  # (before the mask, which must leave -inf)
-                        for nb in range(NB):
-                            for r in range(4):
-                                s[sl, nb, r] = modified_score(
-                                    s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
-                                    n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k, mask_at)
-                    # Mask: -inf where the row does not see the key (partial tiles only).
-                    if partial:
-                        for nb in range(NB):
-                            for r in range(4):
-                                col = n0 + 8 * nb + 2 * t + r % 2
-                                if not visible(row_lo + 8 * (r // 2), col, seqlen_k, offset,
-                                               mask_at):
-                                    s[sl, nb, r] = NEG_INF
-
-                    # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken
-                    # on the unscaled scores (the scale is positive).
-                    for half in range(2):
-                        tile_max = NEG_INF
-                        for nb in range(NB):
-                            tile_max = max(tile_max, max(s[sl, nb, 2 * half],
-                                                         s[sl, nb, 2 * half + 1]))
-                        for mask in (1, 2):
-                            tile_max = max(tile_max, shfl_xor(tile_max, mask))
-                        m_i[sl, half], ref[half], alpha[half] = online_update(
-                            m_i[sl, half], tile_max * tile_scale)
-                    for db in range(DB):
-                        for r in range(4):
-                            acc[sl, db, r] *= alpha[r // 2]
-                    # P = exp2(S·scale·log2(e) - m), in place of S.
-                    for half in range(2):
-                        row_sum = ZERO
-                        for nb in range(NB):
-                            for c in range(2):
-                                s[sl, nb, 2 * half + c] = probability(s[sl, nb, 2 * half + c],
-                                                                      tile_scale, ref[half])
-                            row_sum += s[sl, nb, 2 * half] + s[sl, nb, 2 * half + 1]
-                        l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
+                    softmax_step(s, acc, sl, m_i, l_i, m0 + warp_row0 + 16 * sl + g, n0,
+                                 partial, tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
             cuda.syncthreads()  # why: every thread's part of the V tile is visible
