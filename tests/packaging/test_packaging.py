@@ -26,3 +26,20 @@ def test_public_names():
     for name in ("forward", "backward", "attention", "list_backends", "available_backends",
                  "get_backend", "select_backend", "use_backend"):
         assert callable(getattr(numba_flash, name)), name
+
+
+def test_setup_cfg_lists_every_package():
+    """A non-editable install carries only the packages setup.cfg lists (an engine package
+    missing there installed a backend that could not import its engine)."""
+    import configparser
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    found = set()
+    for folder, name in (("numba_flash", "numba_flash"), ("backends", "numba_flash.backends")):
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *parts)))
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
