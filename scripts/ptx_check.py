@@ -10,7 +10,11 @@ dynamic shared memory than allowed (tensor cores: MMA_SHARED_MEMORY_BYTES; SIMT:
 may have on the target, OPT_IN_SHARED_BYTES).
 
     python scripts/ptx_check.py --cc 80 90 [--variants]
+    python scripts/ptx_check.py --hopper [--variants]
 
+--hopper builds, instead, the Hopper (wgmma) family's forward for sm_90a, with the launch
+bounds the family compiles with (setmaxnreg needs them); any ptxas warning counts as a
+failure there (C7508: register reallocation ignored; C7515: wgmma serialised).
 --variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
 once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
 takes), named "variants"; with a floating attn_mask instead of varlen, named "masked"
@@ -39,6 +43,9 @@ from numba_flash.backends.numba.decode.kernels import \
     shared_bytes as decode_shared_bytes  # noqa: E402
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
 from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
+from numba_flash.backends.numba.hopper.config import (  # noqa: E402
+    HOPPER_SHARED_MEMORY_BYTES, hopper_forward_config, hopper_forward_shared_bytes)
+from numba_flash.backends.numba.hopper.fwd import hopper_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba.mma.bwd import (  # noqa: E402
     mma_dk_dv_kernel_function, mma_dq_kernel_function)
 from numba_flash.backends.numba.mma.config import (  # noqa: E402
@@ -59,7 +66,8 @@ OPT_IN_SHARED_BYTES = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 10
                        87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4", "ld.shared.v4.f32", "st.shared",
-           "ex2.approx", "bar.sync", "mma.sync", "ldmatrix", "cp.async.cg")
+           "ex2.approx", "bar.sync", "mma.sync", "ldmatrix", "cp.async.cg", "wgmma.mma_async",
+           "setmaxnreg", "mbarrier.try_wait")
 
 
 def find_ptxas():
@@ -72,7 +80,8 @@ def find_ptxas():
 
 
 def ptxas_report(ptxas, ptx, cc):
-    """{'registers', 'spill_bytes', 'shared_bytes'} from `ptxas -v`, or {'ptxas_error'}."""
+    """{'registers', 'spill_bytes', 'shared_bytes', 'ptxas_warnings'} from `ptxas -v` (cc: two
+    digits, or "90a"), or {'ptxas_error'}."""
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "kernel.ptx")
         with open(source, "w") as f:
@@ -86,9 +95,12 @@ def ptxas_report(ptxas, ptx, cc):
         return {"ptxas_error": re.sub(r"'[^']*'", "'<kernel>'", errors[0])[:200]}
     text = run.stderr
     number = lambda pattern: sum(int(x) for x in re.findall(pattern, text))  # noqa: E731
+    # (ptxas prints its performance warnings, e.g. C7508 and C7515, as "info" lines)
+    warnings = [re.sub(r"'[^']*'", "'<kernel>'", line)[:200] for line in text.splitlines()
+                if "warning" in line.lower() or re.search(r"\(C\d{4}\)", line)]
     return {"registers": number(r"Used (\d+) registers"),
             "spill_bytes": number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
-            "shared_bytes": number(r"(\d+) bytes smem")}
+            "shared_bytes": number(r"(\d+) bytes smem"), "ptxas_warnings": warnings}
 
 
 _DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), 512)  # (a kernel argument: mask_mod.py)
@@ -219,6 +231,25 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                            f"{', float32[:, :, ::1]' * 6}, Tuple(()))", dk_dv_bytes)
 
 
+def hopper_kernel_cases(head_dims, dtypes, variants=False):
+    """The Hopper family's forward for every head dim it has a config for, as _specs gives
+    them but the masked ones (the engine leaves attention masks to the mma.sync family), with
+    (dynamic shared bytes, launch bounds)."""
+    u4 = "uint16[:, :, :, :]"
+    for head_dim in head_dims:
+        config = hopper_forward_config(head_dim)
+        if config is None:
+            continue
+        for dtype in dtypes:
+            for kind, spec, extras in _specs(head_dim, dtype, variants):
+                if spec.attn_mask is not None or spec.mask_mod is not None:
+                    continue
+                tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
+                yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
+                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
+                       hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
+
+
 def decode_kernel_cases(head_dims, dtypes):
     """The split-KV decode family (backends/numba/decode): the decode kernel of a plain and a
     variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, with cp.async
@@ -265,30 +296,38 @@ def main(argv=None):
                         help="instead, the kernels of a spec with every variant (VARIANTS)")
     parser.add_argument("--decode", action="store_true",
                         help="instead, the split-KV decode family's kernels")
+    parser.add_argument("--hopper", action="store_true",
+                        help="instead, the Hopper family's kernels, for sm_90a (ignores --cc)")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
     failed = 0
-    for cc in args.cc:
-        if args.decode:
+    for cc in ["90a"] if args.hopper else args.cc:
+        if args.hopper:
+            cases = list(hopper_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
+        elif args.decode:
             cases = list(decode_kernel_cases(args.head_dims, args.dtypes))
         else:
             cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
                                       args.variants)) + list(
                 mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
-        for name, function, signature, dynamic_bytes in cases:
-            ptx, _ = cuda.compile_ptx(function, signature, cc=divmod(cc, 10))
+        for name, function, signature, dynamic_bytes, *launch_bounds in cases:
+            target = (9, 0, "a") if cc == "90a" else divmod(cc, 10)
+            ptx, _ = cuda.compile_ptx(function, signature, cc=target,
+                                      launch_bounds=launch_bounds[0] if launch_bounds else None)
             report = {"kernel": name, "cc": cc, "local_memory": "__local_depot" in ptx,
                       "dynamic_shared_bytes": dynamic_bytes}
             report.update({op: ptx.count(op) for op in COUNTED})
             if ptxas:
                 report.update(ptxas_report(ptxas, ptx, cc))
-            dynamic_limit = (MMA_SHARED_MEMORY_BYTES if name.startswith("mma_")
-                             else OPT_IN_SHARED_BYTES.get(cc, SHARED_MEMORY_BYTES))
+            dynamic_limit = (MMA_SHARED_MEMORY_BYTES if name.startswith("mma_") else
+                             HOPPER_SHARED_MEMORY_BYTES if name.startswith("hopper_") else
+                             OPT_IN_SHARED_BYTES.get(cc, SHARED_MEMORY_BYTES))
             failed += report["local_memory"] or report.get("spill_bytes", 0) > 0 or \
                 "ptxas_error" in report or \
                 report.get("shared_bytes", 0) > SHARED_MEMORY_BYTES or \
-                dynamic_bytes > dynamic_limit
+                dynamic_bytes > dynamic_limit or \
+                (name.startswith("hopper_") and bool(report.get("ptxas_warnings")))
             print(json.dumps(report), flush=True)
             if args.save:
                 os.makedirs(args.save, exist_ok=True)
