@@ -10,6 +10,9 @@
 #   bash scripts/gpu_check.sh overhead # scripts/overhead.py: host time per call, with cProfile
 #   bash scripts/gpu_check.sh decode   # forward_kvcache: pytest -m gpu tests/kvcache, memcheck of
 #                                      # reliability.py sanitize-kvcache, scripts/bench_decode.py
+#   bash scripts/gpu_check.sh hopper   # the Hopper family (sm_90): its intrinsics and kernel
+#                                      # tests, memcheck/racecheck/synccheck of reliability.py
+#                                      # sanitize-hopper, bench.py beside numba-mma, flash, cuDNN
 # Each stage fits one device call (under 10 minutes, JIT compilation included). The GPU
 # machine's numba-cuda needs numpy < 2.5: carry a numpy 2.4 wheel in .whl/ (carry: [".whl"]).
 set -uo pipefail
@@ -77,6 +80,27 @@ for stage in "$@"; do
             tail -2 "$OUT/sanitizer_kvcache.log"
             timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_decode.py \
                 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" || status=1 ;;
+        hopper)
+            (cd tests/device && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+                test_hopper_intrinsics.py) 2>&1 | tee "$OUT/hopper_intrinsics.log" | tail -2 \
+                || status=1
+            timeout 200 python3 -m pytest $workers -m gpu -q -p no:cacheprovider \
+                tests/kernels/hopper 2>&1 | tee "$OUT/hopper_tests.log" | tail -2 || status=1
+            sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+                        2>/dev/null | head -1)
+            timeout 120 python3 scripts/reliability.py sanitize-hopper > /dev/null 2>&1
+            for tool in memcheck racecheck synccheck; do
+                echo "== compute-sanitizer --tool $tool" >> "$OUT/sanitizer_hopper.log"
+                timeout 240 "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 9 \
+                    python3 scripts/reliability.py sanitize-hopper >> "$OUT/sanitizer_hopper.log" \
+                    2>&1 || { echo "$tool: exit $?" >> "$OUT/sanitizer_hopper.log"; status=1; }
+            done
+            grep -E "SUMMARY|exit" "$OUT/sanitizer_hopper.log"
+            (cd scripts && timeout "${BENCH_TIMEOUT:-360}" python3 bench.py --dtypes float16 \
+                bfloat16 --head-dims 64 128 256 --seqlens 4096 16384 --causal false true \
+                --backends numba-hopper numba-mma --sdpa flash cudnn \
+                --json "$OUT/bench_hopper.json") 2>&1 | grep -v '^\[' \
+                | tee "$OUT/bench_hopper.log" | tail -26 || status=1 ;;
         verify)
             timeout "${VERIFY_TIMEOUT:-560}" python3 scripts/verify.py ${VERIFY_ARGS:-} 2>&1 \
                 | tee "$OUT/verify.log" \
@@ -87,7 +111,7 @@ for stage in "$@"; do
                 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
         *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, overhead, decode," \
-                "verify, bench)"; exit 2 ;;
+                "hopper, verify, bench)"; exit 2 ;;
     esac
 done
 exit $status

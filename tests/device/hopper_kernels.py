@@ -28,6 +28,16 @@ def swizzled_byte(row, col, rows):
             + (col % 8) * 2)
 
 
+@cuda.jit(device=True, inline="always")
+def store_accumulator(out, acc):
+    """The warpgroup's 64 x N accumulator (wgmma's D layout) into out."""
+    tid = cuda.threadIdx.x
+    row, t = 16 * (tid // 32) + (tid % 32) // 4, tid % 4
+    for j in range(N // 8):
+        for r in range(4):
+            out[row + 8 * (r // 2), 8 * j + 2 * t + r % 2] = acc[j, r]
+
+
 def make_scores_kernel(bf16):
     """S = A Bᵀ for A (64, D) and B (N, D) (16-bit patterns), both K-major in shared memory:
     one warpgroup, D // 16 products m64nNk16 accumulating in registers."""
@@ -59,10 +69,7 @@ def make_scores_kernel(bf16):
         wgmma_commit()
         wgmma_wait(0)
         fence(acc)
-        row, t = 16 * (tid // 32) + (tid % 32) // 4, tid % 4
-        for j in range(N // 8):
-            for r in range(4):
-                out[row + 8 * (r // 2), 8 * j + 2 * t + r % 2] = acc[j, r]
+        store_accumulator(out, acc)
 
     scores_kernel.__name__ = scores_kernel.__qualname__ = f"scores_kernel_{int(bf16)}"
     return scores_kernel
@@ -96,10 +103,7 @@ def make_pv_kernel(bf16):
         wgmma_commit()
         wgmma_wait(0)
         fence(acc)
-        row, t = 16 * (tid // 32) + (tid % 32) // 4, tid % 4
-        for j in range(N // 8):
-            for r in range(4):
-                out[row + 8 * (r // 2), 8 * j + 2 * t + r % 2] = acc[j, r]
+        store_accumulator(out, acc)
 
     pv_kernel.__name__ = pv_kernel.__qualname__ = f"pv_kernel_{int(bf16)}"
     return pv_kernel
@@ -126,18 +130,13 @@ def late_operand_kernel(a, b, b_later, acc_before_wait, out):
     wgmma_fence()
     wgmma(acc, make_descriptor(a_at, 16, 1024), make_descriptor(b_at, 16, 1024), 0)
     wgmma_commit()
-    row, t = 16 * (tid // 32) + (tid % 32) // 4, tid % 4
-    for j in range(N // 8):
-        for r in range(4):
-            acc_before_wait[row + 8 * (r // 2), 8 * j + 2 * t + r % 2] = acc[j, r]
+    store_accumulator(acc_before_wait, acc)
     cuda.syncthreads()
     for e in range(tid, N * D, 128):
         smem[(b_at - base + swizzled_byte(e // D, e % D, N)) // 2] = b_later[e // D, e % D]
     cuda.syncthreads()
     wgmma_wait(0)
-    for j in range(N // 8):
-        for r in range(4):
-            out[row + 8 * (r // 2), 8 * j + 2 * t + r % 2] = acc[j, r]
+    store_accumulator(out, acc)
 
 
 STAGES, TILE_ROWS, TILE_COLS = 2, 16, 64  # the pipeline kernel's stages and tiles (16-bit)

@@ -1,15 +1,12 @@
 """The tensor-core and warp intrinsics against NumPy: under the simulator (their Python twins)
 and, with `-m gpu`, on the GPU (the PTX). Plus: each compiles to the intended PTX instructions
 for sm_80 and sm_90."""
-import json
-import os
-import subprocess
-import sys
 
 import intrinsic_kernels as kernels
 import numpy as np
 import pytest
 from numba import cuda
+from ptx_cases import compile_cases
 
 MODES = ["simulator", pytest.param("gpu", marks=pytest.mark.gpu)]
 
@@ -203,26 +200,7 @@ def test_shared_tile_views_dynamic_shared_memory(rng, mode):
 
 
 def test_intrinsics_compile_to_the_intended_ptx():
-    code = (
-        "import json, os, sys\n"
-        "sys.path.insert(0, os.environ['KERNELS_DIR'])\n"
-        "from numba import cuda\n"
-        "import intrinsic_kernels as k\n"
-        "out = []\n"
-        "for cc in ((8, 0), (9, 0)):\n"
-        "    for fn, sig, wanted in k.PTX_CASES:\n"
-        "        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)\n"
-        "        out.append([fn.__name__, cc, [w for w in wanted if w not in ptx],\n"
-        "                    '__local_depot' in ptx])\n"
-        "print(json.dumps(out))\n")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               KERNELS_DIR=os.path.dirname(os.path.abspath(kernels.__file__)))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(kernels.PTX_CASES)
-    for name, cc, missing, local in results:
+    for name, cc, missing, local, _ in compile_cases(kernels, [(8, 0), (9, 0)]):
         assert not missing, f"{name} sm_{cc[0]}{cc[1]}: PTX lacks {missing}"
         assert not local, f"{name} sm_{cc[0]}{cc[1]}: uses local memory"
 

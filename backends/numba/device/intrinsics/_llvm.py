@@ -42,6 +42,47 @@ def asm(builder, text, constraints, args, outputs=(), side_effect=False):
     return [builder.extract_value(result, i) for i in range(len(outputs))]
 
 
+def void_instruction(text):
+    """An intrinsic of no arguments that emits `text` (an instruction the compiler keeps in
+    place: side effects, memory clobbered)."""
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def instruction(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            asm(builder, text, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return instruction
+
+
+def literal_instruction(make_text, check=None):
+    """An intrinsic of one literal int argument n that emits make_text(n) (as
+    void_instruction; check(n) may raise for a value the instruction does not take)."""
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def instruction(typingctx, literal):
+        if not isinstance(literal, types.IntegerLiteral):
+            return None
+        if check is not None:
+            check(literal.literal_value)
+        text = make_text(literal.literal_value)
+        sig = types.void(literal)
+
+        def codegen(context, builder, sig, args):
+            asm(builder, text, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return instruction
+
+
 def array_and_indices(context, builder, array_type, array_value, index_types, index_values):
     array = context.make_array(array_type)(context, builder, array_value)
     return array, [context.cast(builder, v, t, types.intp)

@@ -9,8 +9,8 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import (SHARED_ADDRESS, SIMULATED, asm, element_address, i64, name_for_cache,
-                    row_element_address)
+from ._llvm import (SHARED_ADDRESS, SIMULATED, asm, element_address, i64,
+                    literal_instruction, name_for_cache, row_element_address, void_instruction)
 from .shared import _SharedAddress
 
 _CP_ASYNC = ("{ .reg .u64 sa, ga; .reg .u32 s; " + SHARED_ADDRESS.format("$0") +
@@ -160,30 +160,9 @@ def _cp_async_16_from_python(address, source, src_bytes):
 _NOT_YET_COPIED = {4: np.float32(np.nan).view(np.uint32), 2: np.uint16(0xFFFF)}
 
 
-@intrinsic
-def _cp_async_commit(typingctx):
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        asm(builder, "cp.async.commit_group;", "~{memory}", [], side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _cp_async_wait(typingctx, pending):
-    """Wait until at most `pending` (a literal int) committed groups are still in flight."""
-    if not isinstance(pending, types.IntegerLiteral):
-        return None
-    text = f"cp.async.wait_group {pending.literal_value};"
-    sig = types.void(pending)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, text, "~{memory}", [], side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+_cp_async_commit = void_instruction("cp.async.commit_group;")
+#: wait until at most `pending` (a literal int) committed groups are still in flight
+_cp_async_wait = literal_instruction(lambda pending: f"cp.async.wait_group {pending};")
 
 
 def _cp_async_commit_python():

@@ -15,7 +15,7 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import SIMULATED, asm, name_for_cache
+from ._llvm import SIMULATED, asm, name_for_cache, void_instruction
 from .shared import _SharedAddress
 
 
@@ -67,20 +67,6 @@ def _mbarrier_wait(typingctx, address, parity):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _fence(text):
-    @intrinsic
-    def fence(typingctx):
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            asm(builder, text, "~{memory}", [], side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return fence
 
 
 # -- twins ------------------------------------------------------------------------------------
@@ -152,8 +138,8 @@ if SIMULATED:
 else:
     mbarrier_init, mbarrier_arrive, mbarrier_wait = _mbarrier_init, _mbarrier_arrive, _mbarrier_wait
     #: makes barrier initialisation visible to the async proxy and the other threads
-    fence_mbarrier_init = _fence("fence.mbarrier_init.release.cluster;")
+    fence_mbarrier_init = void_instruction("fence.mbarrier_init.release.cluster;")
     #: orders this thread's ordinary (generic-proxy) shared-memory writes, cp.async's among
     #: them once waited for, before the async proxy's reads (wgmma) that follow a barrier
-    fence_proxy_async = _fence("fence.proxy.async.shared::cta;")
+    fence_proxy_async = void_instruction("fence.proxy.async.shared::cta;")
     name_for_cache(globals(), __name__)

@@ -11,26 +11,7 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import SIMULATED, asm, name_for_cache
-
-
-def _register_instruction(direction):
-    """setmaxnreg.{direction} with a literal register count."""
-    @intrinsic
-    def setmaxnreg(typingctx, count):
-        if not isinstance(count, types.IntegerLiteral):
-            return None
-        _check_registers(count.literal_value)
-        text = f"setmaxnreg.{direction}.sync.aligned.u32 {count.literal_value};"
-        sig = types.void(count)
-
-        def codegen(context, builder, sig, args):
-            asm(builder, text, "~{memory}", [], side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return setmaxnreg
+from ._llvm import SIMULATED, asm, literal_instruction, name_for_cache
 
 
 @intrinsic
@@ -75,7 +56,9 @@ if SIMULATED:
     setmaxnreg_inc = setmaxnreg_dec = _setmaxnreg_python
     named_barrier_sync = _named_barrier_sync_python
 else:
-    setmaxnreg_inc = _register_instruction("inc")
-    setmaxnreg_dec = _register_instruction("dec")
+    setmaxnreg_inc = literal_instruction(
+        lambda count: f"setmaxnreg.inc.sync.aligned.u32 {count};", _check_registers)
+    setmaxnreg_dec = literal_instruction(
+        lambda count: f"setmaxnreg.dec.sync.aligned.u32 {count};", _check_registers)
     named_barrier_sync = _named_barrier_sync
     name_for_cache(globals(), __name__)

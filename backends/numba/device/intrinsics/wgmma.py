@@ -36,7 +36,8 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import SIMULATED, asm, f32, i32, i64, name_for_cache
+from ._llvm import (SIMULATED, asm, f32, i32, i64, literal_instruction, name_for_cache,
+                    void_instruction)
 from .mma import _unpack_bf16x2_python, _unpack_f16x2_python
 from .shared import _SharedAddress
 
@@ -78,33 +79,8 @@ def _descriptor_at(typingctx, descriptor, byte_offset):
     return sig, codegen
 
 
-def _void_instruction(text):
-    @intrinsic
-    def instruction(typingctx):
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            asm(builder, text, "~{memory}", [], side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return instruction
-
-
-@intrinsic
-def _wgmma_wait(typingctx, pending):
-    """Wait until at most `pending` (a literal) committed groups of products still run."""
-    if not isinstance(pending, types.IntegerLiteral):
-        return None
-    text = f"wgmma.wait_group.sync.aligned {pending.literal_value};"
-    sig = types.void(pending)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, text, "~{memory}", [], side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+#: wait until at most `pending` (a literal) committed groups of products still run
+_wgmma_wait = literal_instruction(lambda pending: f"wgmma.wait_group.sync.aligned {pending};")
 
 
 def _element_pointers(context, builder, array_type, array_value, count):
@@ -370,8 +346,8 @@ if SIMULATED:
 else:
     make_descriptor, descriptor_at = _make_descriptor, _descriptor_at
     #: before the first product of a batch: registers written by ordinary code are settled
-    wgmma_fence = _void_instruction("wgmma.fence.sync.aligned;")
+    wgmma_fence = void_instruction("wgmma.fence.sync.aligned;")
     #: closes the group of products issued since the last commit
-    wgmma_commit = _void_instruction("wgmma.commit_group.sync.aligned;")
+    wgmma_commit = void_instruction("wgmma.commit_group.sync.aligned;")
     wgmma_wait = _wgmma_wait
     name_for_cache(globals(), __name__)
