@@ -37,8 +37,10 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real, never in the simul
 
 from numba import cuda  # noqa: E402
 
+from numba_flash.backends.numba.decode.append import append_kernel  # noqa: E402
+from numba_flash.backends.numba.decode.combine import combine_kernel  # noqa: E402
 from numba_flash.backends.numba.decode.kernels import (  # noqa: E402
-    append_kernel, combine_kernel, decode_kernel)
+    decode_kernel, decode_shape)
 from numba_flash.backends.numba.decode.kernels import \
     shared_bytes as decode_shared_bytes  # noqa: E402
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
@@ -253,8 +255,9 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
 def decode_kernel_cases(head_dims, dtypes):
     """The split-KV decode family (backends/numba/decode): the decode kernel of a plain and a
     variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, with cp.async
-    loads (and, for the plain contiguous spec, plain ones), and the combine and append
-    kernels."""
+    loads (and, for the plain contiguous spec, plain ones), in the shape of one decoded token
+    (the warps splitting the keys: "_keys"), and of many rows for the plain contiguous and
+    the variants' paged kernels ("_rows"); and the combine and append kernels."""
     f4, f5 = "float32[:, :, :, :]", "float32[:, :, :, :, :]"
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"
@@ -266,14 +269,19 @@ def decode_kernel_cases(head_dims, dtypes):
                                                 alibi=True))]
             for kind, spec in specs:
                 for paged in (False, True):
+                    shapes = [("keys", decode_shape(spec, spec.group))]
+                    if paged == (kind == "variants"):
+                        shapes.append(("rows", decode_shape(spec, 64)))
                     for async_copy in (True, False) if kind == "plain" and not paged else (True,):
-                        slopes = "float32[:, :]" if spec.alibi else "float32[:, :, :]"
-                        yield (f"decode_d{head_dim}_{kind}_"
-                               f"{'paged' if paged else 'contiguous'}_{dtype}"
-                               f"{'_async' if async_copy else ''}",
-                               decode_kernel(spec, paged, async_copy).py_func,
-                               f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, {f5}, "
-                               f"{f4}, float32, {slopes})", decode_shared_bytes(spec))
+                        for tag, shape in shapes:
+                            slopes = "float32[:, :]" if spec.alibi else "float32[:, :, :]"
+                            yield (f"decode_d{head_dim}_{kind}_"
+                                   f"{'paged' if paged else 'contiguous'}_{dtype}"
+                                   f"{'_async' if async_copy else ''}_{tag}",
+                                   decode_kernel(spec, paged, async_copy, shape).py_func,
+                                   f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, "
+                                   f"{f5}, {f4}, float32, {slopes})",
+                                   decode_shared_bytes(spec, shape))
         yield (f"decode_combine_{dtype}", combine_kernel(bf16).py_func,
                f"({f5}, {f4}, {a4}, float32[:, :, :])", 0)
         for paged in (False, True):

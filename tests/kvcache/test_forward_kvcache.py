@@ -98,6 +98,23 @@ def test_decoding_one_token_with_each_split(rng):
     _check("float32", arrays, {}, splits=(0, 1, 2, 7))
 
 
+@pytest.mark.parametrize("nheads, paged, dtype, head_dim, shape", [
+    (1, False, "float16", HEAD_DIM, (1, 4)), (4, True, "float16", HEAD_DIM, (4, 4)),
+    (1, False, "float32", 128, (2, 2))])
+def test_the_warps_split_long_caches_between_them(rng, nheads, paged, dtype, head_dim, shape):
+    """One and four rows per block (MHA, GQA 4, one token): the warps read keys of their own
+    (4 key warps; 2 where 4 would take too much shared memory, two row warps then) and their
+    partial softmaxes are merged; caches of up to 300 keys take several block tiles per
+    split, sequences of 0 and 1 keys none or one warp's share."""
+    from numba_flash.backends.numba.decode.kernels import decode_shape
+    spec = make_spec(np.zeros((1, 1, nheads, head_dim), dtype),
+                     np.zeros((1, 1, 1, head_dim), dtype))
+    assert (decode_shape(spec, nheads).rows, decode_shape(spec, nheads).key_warps) == shape
+    arrays = _make(rng, dtype, 3, 1, nheads, 1, 304, 4, paged=paged, full_first=True,
+                   head_dim=head_dim)
+    _check(dtype, arrays, dict(causal=True), splits=(1, 2))
+
+
 def test_decoding_with_gqa_8(rng):
     """Eight query heads share each K/V tile their block reads."""
     arrays = _make(rng, "float32", 2, 1, 8, 1, 48, 1, paged=False, full_first=True)

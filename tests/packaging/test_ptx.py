@@ -89,11 +89,15 @@ def test_the_decode_kernels_compiled(reports):
     for cc in (80, 90):
         for dtype in ("float16", "bfloat16", "float32"):
             for head_dim in (128,) if cc == 80 or dtype != "float16" else (64, 128, 256):
-                assert (f"decode_d{head_dim}_plain_contiguous_{dtype}", cc) in seen  # (plain
-                #                                                  loads: unaligned caches)
+                # (plain loads: unaligned caches)
+                assert (f"decode_d{head_dim}_plain_contiguous_{dtype}_keys", cc) in seen
                 for kind in ("plain", "variants"):
                     for layout in ("contiguous", "paged"):
-                        assert (f"decode_d{head_dim}_{kind}_{layout}_{dtype}_async", cc) in seen
+                        assert (f"decode_d{head_dim}_{kind}_{layout}_{dtype}_async_keys",
+                                cc) in seen  # (the warps splitting the keys: one token)
+                # (many rows: chunked prefill, speculative tokens)
+                assert (f"decode_d{head_dim}_plain_contiguous_{dtype}_async_rows", cc) in seen
+                assert (f"decode_d{head_dim}_variants_paged_{dtype}_async_rows", cc) in seen
             assert (f"decode_combine_{dtype}", cc) in seen
             for layout in ("contiguous", "paged"):
                 assert (f"decode_append_{layout}_{dtype}", cc) in seen

@@ -13,8 +13,9 @@ from ..device.constants import LOG2E
 from ..gpu import (SHARED_MEMORY_BYTES, TENSOR_CORE_CC, compute_capability, shared_memory_limit,
                    simulator_enabled)
 from ..launch import launch
-from .kernels import (BLOCK_N, THREADS, WARPS, append_kernel, combine_kernel, decode_kernel,
-                      rows_per_block, shared_bytes)
+from .append import append_kernel
+from .combine import combine_kernel
+from .kernels import BLOCK_N, THREADS, WARPS, decode_kernel, decode_shape, shared_bytes
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_SPLITS = 128
@@ -30,7 +31,7 @@ def reason(spec, q):
     """None if the decode kernels can serve the call, else why not."""
     if spec.dtype not in DTYPES:
         return f"the decode kernels take float16, bfloat16 or float32, not {spec.dtype}"
-    need = shared_bytes(spec)
+    need = shared_bytes(spec, decode_shape(spec, int(q.shape[1]) * spec.group))
     if simulator_enabled():
         return None
     device = _arrays.device_id(q)
@@ -92,8 +93,8 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
             _write_back(cache, k_cache, v_cache, bits)
     q_view = marshal.view(q, bits)
 
-    rows = rows_per_block(head_dim)
-    row_tiles = -(-seqlen_q * spec.group // rows)
+    shape = decode_shape(spec, seqlen_q * spec.group)
+    row_tiles = -(-seqlen_q * spec.group // shape.rows)
     blocks = row_tiles * nheads_kv * batch
     splits = cache.num_splits or choose_splits(
         blocks, visible_keys(spec, seqlen_q, cache.max_seqlen_k), multiprocessors(q))
@@ -104,8 +105,8 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
         slopes = marshal.broadcast(marshal.view(extras.alibi_slopes), (batch, nheads))
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     async_copy = _async_copy(spec, q, k_cache, v_cache)
-    launch(decode_kernel(spec.for_kernels(), paged, async_copy),
-           (splits * row_tiles, nheads_kv, batch), THREADS, stream, shared_bytes(spec),
+    launch(decode_kernel(spec.for_kernels(), paged, async_copy, shape),
+           (splits * row_tiles, nheads_kv, batch), THREADS, stream, shared_bytes(spec, shape),
            q_view, k_cache, v_cache, block_table,
            seqlens, fixed, np.int32(new_tokens), out_part, lse_part, scale_log2, slopes)
     launch(combine_kernel(spec.bf16), -(-batch * seqlen_q * nheads // WARPS), THREADS, stream,

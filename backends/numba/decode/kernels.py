@@ -8,17 +8,21 @@ blocks.
   Its rows are the seqlen_q x GROUP (query token, query head of the key/value head's group)
   pairs, token-major, ROWS at a time: the query heads of a GQA group share every K/V tile the
   block reads. The block walks its split of the keys its rows can see (causal and windows
-  bound the range) in tiles of BLOCK_N keys, read through the block table when the cache is
-  paged, into shared tiles of the cache's own dtype by cp.async (a double buffer: the next
-  tile is in flight while this one is used), or element by element where the rows are not
-  16-byte aligned. Per tile each warp computes its rows' scores (lane = key, 16 bytes of the
-  key per read), the online softmax (device/softmax.py) with the row max over the warp's
-  lanes, and acc += P V with lane = output column, all in float32. It writes its split's
-  normalised output and lse in float32.
-- `combine_kernel`: one warp per (sequence, token, head) merges the splits by log-sum-exp
-  (numba_flash/merge.py's rule; a split that saw no key has weight 0) into out and lse.
-- `append_kernel`: the new tokens' k and v copied, bit for bit, into the cache at positions
-  cache_seqlens[b] onward (through the block table when paged), before the decode kernel.
+  bound the range) in tiles of BLOCK_N keys per key warp, read through the block table when
+  the cache is paged, into shared tiles of the cache's own dtype by cp.async (a double
+  buffer: the next tile is in flight while this one is used), or element by element where
+  the rows are not 16-byte aligned. The DecodeShape says how the warps share the work: the
+  4 warps are row warps x key warps; the row warps split the block's rows, the key warps
+  take BLOCK_N keys each of a block tile. With many rows (chunked prefill) the warps split the
+  rows and read the same keys; with few (a decode step of multi-head attention has one row,
+  a GQA group of 4 four) they split the keys, so that no warp computes rows that do not
+  exist, and the key warps' partial softmaxes are merged at the end. Per tile each warp
+  computes its rows' scores (lane = key, 16 bytes of the key per read), the online softmax
+  (device/softmax.py) with the row max over the warp's lanes, and acc += P V with lane =
+  output column, all in float32. It writes its split's normalised
+  output and lse in float32.
+(combine.py merges the splits' results; append.py writes the new tokens into the cache
+first.)
 
 A sequence's keys are its cache's first seqlen_k = cache_seqlens[b] + new_tokens rows
 (`fixed_seqlen` >= 0 stands for every sequence's cache_seqlens when the call gave an int or
@@ -26,15 +30,15 @@ none); options are aligned to the bottom-right corner as in forward (offset = se
 seqlen_q).
 """
 import functools
-import math
+from dataclasses import dataclass
 
-from numba import cuda, float32, int32, uint16
+from numba import cuda, float32, uint16
 
-from ..device.bits16 import (bf16_bits_to_float32, f16_bits_to_float32, float32_to_bf16_bits,
-                             unchanged)
+from ..device.bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from ..device.constants import NEG_INF, ZERO
-from ..device.intrinsics import (SHARED_ALIGN, bits_of_float32, cp_async_16, load_f32x4,
-                                 shared_tile, shfl_xor, syncwarp, unpack_bf16x2, unpack_f16x2)
+from ..device.intrinsics import (SHARED_ALIGN, bits_of_float32, cp_async_16, exp2,
+                                 load_f32x4, shared_tile, shfl_xor, syncwarp, unpack_bf16x2,
+                                 unpack_f16x2)
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
 from ..device.softmax import finalize, online_update, probability
@@ -46,9 +50,48 @@ BLOCK_N = 32  # keys per tile: one per lane in the score phase
 STAGES = 2  # K/V tiles in shared memory: this one, and the next one in flight
 
 
-def rows_per_block(head_dim):
-    """Query rows (token, head) per block: 16, or 8 above head dim 128 (shared memory)."""
-    return 16 if head_dim <= 128 else 8
+@dataclass(frozen=True)
+class DecodeShape:
+    """How a decode block's 4 warps share its work: `rows` query rows per block, split among
+    WARPS // key_warps row warps; each of the key_warps key warps of a row warp takes
+    BLOCK_N keys of a block tile."""
+
+    rows: int
+    key_warps: int
+
+    @property
+    def rows_per_warp(self):
+        return self.rows // (WARPS // self.key_warps)
+
+    @property
+    def block_keys(self):
+        """Keys per block tile."""
+        return BLOCK_N * self.key_warps
+
+
+#: shared memory the decode shape may take (two stages of the block tile's K and V rows):
+#: below sm_80's and sm_90's opt-in limits, and leaving an sm_90 multiprocessor room for a
+#: second block of the many-rows shape
+DECODE_SHARED_BYTES = 160 * 1024
+#: rows a warp keeps while its block splits keys (the scores' inner loop runs over them)
+KEY_SPLIT_ROWS = 4
+
+
+def decode_shape(spec, n_rows):
+    """The shape for n_rows = seqlen_q x GQA group rows: as many key warps (4, 2) as keep a
+    warp's rows at KEY_SPLIT_ROWS or fewer and the tiles within DECODE_SHARED_BYTES, rows the
+    next power of two that the row warps divide; else the warps split 16 rows (8 above head
+    dim 128)."""
+    for key_warps in (4, 2):
+        row_warps = WARPS // key_warps
+        rows = row_warps
+        while rows < n_rows:
+            rows *= 2
+        shape = DecodeShape(rows, key_warps)
+        if (shape.rows_per_warp <= KEY_SPLIT_ROWS
+                and shared_bytes(spec, shape) <= DECODE_SHARED_BYTES):
+            return shape
+    return DecodeShape(16 if spec.head_dim <= 128 else 8, 1)
 
 
 def tile_layout(spec):
@@ -61,12 +104,14 @@ def tile_layout(spec):
     return item, cols, cols * item + 16
 
 
-def shared_bytes(spec):
+def shared_bytes(spec, shape):
     """Dynamic shared memory of the decode kernel: the Q rows (float32), STAGES K and V tiles
-    (the cache's dtype) and the P rows (float32)."""
-    rows = rows_per_block(spec.head_dim)
+    (the cache's dtype), the warps' P rows (float32) and, when the warps split the keys, their
+    partial results for the merge (float32 m, l and a row of O per warp and row)."""
     _, cols, row_bytes = tile_layout(spec)
-    return 4 * rows * cols + STAGES * 2 * BLOCK_N * row_bytes + 4 * rows * BLOCK_N
+    merge = 4 * shape.key_warps * shape.rows * (2 + cols) if shape.key_warps > 1 else 0
+    return (4 * shape.rows * cols + STAGES * 2 * shape.block_keys * row_bytes
+            + 4 * WARPS * shape.rows_per_warp * BLOCK_N + merge)
 
 
 @cuda.jit(device=True, inline="always")
@@ -105,26 +150,31 @@ def _element(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel(spec, paged, async_copy):
-    """The decode kernel for a kernel spec (AttentionSpec.for_kernels()), cache layout and
-    load kind: q and the caches as the cache dtype's elements (16-bit ones as bit patterns);
-    with async_copy the K/V rows are read by cp.async (rows of whole 16-byte chunks, 16-byte
-    aligned: engine.py checks), else element by element."""
+def decode_kernel(spec, paged, async_copy, shape):
+    """The decode kernel for a kernel spec (AttentionSpec.for_kernels()), cache layout, load
+    kind and DecodeShape: q and the caches as the cache dtype's elements (16-bit ones as bit
+    patterns); with async_copy the K/V rows are read by cp.async (rows of whole 16-byte
+    chunks, 16-byte aligned: engine.py checks), else element by element."""
     D, GROUP = spec.head_dim, spec.group
-    ROWS = rows_per_block(D)
-    ROWS_PER_WARP = ROWS // WARPS
+    ROWS, ROWS_PER_WARP, KEY_WARPS = shape.rows, shape.rows_per_warp, shape.key_warps
+    BLOCK_KEYS = shape.block_keys
     OUT_COLS = -(-D // 32)  # output columns per lane
     ITEM, COLS, ROW_BYTES = tile_layout(spec)
     PER_COPY, WORDS = 16 // ITEM, COLS * ITEM // 4
     CHUNKS = COLS // PER_COPY
     ROW_ITEMS, ROW_WORDS = ROW_BYTES // ITEM, ROW_BYTES // 4  # (a tile row's stride)
-    STAGE_ROWS = STAGES * BLOCK_N
-    TILE_BYTES = BLOCK_N * ROW_BYTES
+    STAGE_ROWS = STAGES * BLOCK_KEYS
+    TILE_BYTES = BLOCK_KEYS * ROW_BYTES
+    P_SLOTS = WARPS * ROWS_PER_WARP  # (each warp's P rows)
     # byte offsets in dynamic shared memory: Q rows, the stages' K tiles one after the other
-    # (stage s: rows s·BLOCK_N on), their V tiles, the P rows
+    # (stage s: rows s·BLOCK_KEYS on), their V tiles, the P rows, the merge's partial results
     K_START = 4 * ROWS * COLS
     V_START = K_START + STAGES * TILE_BYTES
     P_START = V_START + STAGES * TILE_BYTES
+    MERGE_M = P_START + 4 * P_SLOTS * BLOCK_N  # the merge's partial maxes, sums, outputs
+    MERGE_L = MERGE_M + 4 * KEY_WARPS * ROWS
+    MERGE_ACC = MERGE_L + 4 * KEY_WARPS * ROWS
+    MERGE_ROWS = KEY_WARPS * ROWS
     LEFT, RIGHT = spec.window_left, spec.window_right
     element, decode, unpack = _element(spec)
     commit_loads, wait_older_loads = copy_fences(async_copy, keep_newest=True)
@@ -149,7 +199,7 @@ def decode_kernel(spec, paged, async_copy):
         n_end (and past D)."""
         block_size = k_cache.shape[1]
         if async_copy:
-            for i in range(cuda.threadIdx.x, BLOCK_N * CHUNKS, THREADS):
+            for i in range(cuda.threadIdx.x, BLOCK_KEYS * CHUNKS, THREADS):
                 j, col = i // CHUNKS, i % CHUNKS * PER_COPY
                 page, slot, size = 0, 0, 0  # (past n_end: zero-filled)
                 if n0 + j < n_end:
@@ -158,7 +208,7 @@ def decode_kernel(spec, paged, async_copy):
                 cp_async_16(k_tile, row0 + j, col, k_cache, page, slot, h_kv, col, size)
                 cp_async_16(v_tile, row0 + j, col, v_cache, page, slot, h_kv, col, size)
         else:
-            for i in range(cuda.threadIdx.x, BLOCK_N * COLS, THREADS):
+            for i in range(cuda.threadIdx.x, BLOCK_KEYS * COLS, THREADS):
                 j, c = i // COLS, i % COLS
                 value_k, value_v = element(0), element(0)
                 if n0 + j < n_end and c < D:
@@ -166,6 +216,18 @@ def decode_kernel(spec, paged, async_copy):
                     value_k, value_v = k_cache[page, slot, h_kv, c], v_cache[page, slot, h_kv, c]
                 k_tile[row0 + j, c] = value_k
                 v_tile[row0 + j, c] = value_v
+
+    @cuda.jit(device=True, inline="always")
+    def store_row(out_part, lse_part, split, b, h_kv, row, acc, i, inv_l, lse_row, lane):
+        """Row `row` (token row // GROUP, head h_kv·GROUP + row % GROUP) of this split's
+        output, acc[i, :] (lane = column) times inv_l, and its lse."""
+        t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
+        for c in range(OUT_COLS):
+            col = lane + 32 * c
+            if col < D:
+                out_part[split, b, t_row, h, col] = acc[i, c] * inv_l
+        if lane == 0:
+            lse_part[split, b, h, t_row] = lse_row
 
     def flash_decode(q, k_cache, v_cache, block_table, cache_seqlens, fixed_seqlen, new_tokens,
                      out_part, lse_part, scale_log2, alibi_slopes):
@@ -187,12 +249,12 @@ def decode_kernel(spec, paged, async_copy):
         t_first, t_last = r0 // GROUP, min(seqlen_q - 1, (r0 + ROWS - 1) // GROUP)
         lo = max(0, t_first + offset - LEFT) if LEFT >= 0 else 0
         hi = min(seqlen_k, t_last + offset + RIGHT + 1) if RIGHT >= 0 else seqlen_k
-        n_lo = lo // BLOCK_N * BLOCK_N
-        tiles = max(0, -(-(hi - n_lo) // BLOCK_N))
+        n_lo = lo // BLOCK_KEYS * BLOCK_KEYS
+        tiles = max(0, -(-(hi - n_lo) // BLOCK_KEYS))
         per_split = -(-tiles // splits)
-        n_begin = n_lo + split * per_split * BLOCK_N
-        n_end = min(hi, n_begin + per_split * BLOCK_N)
-        n_tiles = max(0, -(-(n_end - n_begin) // BLOCK_N))
+        n_begin = n_lo + split * per_split * BLOCK_KEYS
+        n_end = min(hi, n_begin + per_split * BLOCK_KEYS)
+        n_tiles = max(0, -(-(n_end - n_begin) // BLOCK_KEYS))
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)
         q_rows = shared_tile(smem, 0, ROWS, COLS, float32)
@@ -200,7 +262,11 @@ def decode_kernel(spec, paged, async_copy):
         k_words = shared_tile(smem, K_START, STAGE_ROWS, ROW_WORDS, float32)  # (the
         #                                                 same bytes, read 16 at a time)
         v_tile = shared_tile(smem, V_START, STAGE_ROWS, ROW_ITEMS, element)
-        p_rows = shared_tile(smem, P_START, ROWS, BLOCK_N, float32)
+        p_rows = shared_tile(smem, P_START, P_SLOTS, BLOCK_N, float32)
+        # The warp's rows start at row slot `first_row`, its keys at `key_slot` in a tile.
+        key_warp = warp % KEY_WARPS
+        first_row = warp // KEY_WARPS * ROWS_PER_WARP
+        key_slot = key_warp * BLOCK_N
 
         # Load: the first K/V tile, in flight while the block's query rows (row r: token
         # r // GROUP, head h_kv·GROUP + r % GROUP) are read.
@@ -226,27 +292,27 @@ def decode_kernel(spec, paged, async_copy):
                 acc[i, c] = ZERO
 
         for t in range(n_tiles):
-            n0 = n_begin + t * BLOCK_N
-            stage_row = t % STAGES * BLOCK_N
+            n0 = n_begin + t * BLOCK_KEYS
+            stage_row = t % STAGES * BLOCK_KEYS
             cuda.syncthreads()  # why: every warp is done with the other stage's tiles
             # Load: the next tile into the other stage, in flight while this one is used.
             if t + 1 < n_tiles:
-                load_kv(k_tile, v_tile, BLOCK_N - stage_row, k_cache, v_cache, block_table, b,
-                        h_kv, n0 + BLOCK_N, n_end)
+                load_kv(k_tile, v_tile, BLOCK_KEYS - stage_row, k_cache, v_cache, block_table,
+                        b, h_kv, n0 + BLOCK_KEYS, n_end)
             commit_loads()  # (an empty group on the last tile: the wait counts groups)
             wait_older_loads()
             cuda.syncthreads()  # why: every thread's copies of this tile (and Q) are complete
 
             # Scores: this lane's key against each of the warp's rows, 16 bytes of the key
             # at a time (one pass over the key, so that the rows' sums stay in registers).
-            key = n0 + lane
+            key = n0 + key_slot + lane
             for i in range(ROWS_PER_WARP):
                 s_row[i] = ZERO
             for w in range(0, WORDS, 4):
-                x0, x1, x2, x3 = load_f32x4(k_words, stage_row + lane, w)
+                x0, x1, x2, x3 = load_f32x4(k_words, stage_row + key_slot + lane, w)
                 if ITEM == 4:
                     for i in range(ROWS_PER_WARP):
-                        r = warp * ROWS_PER_WARP + i
+                        r = first_row + i
                         s_row[i] += (q_rows[r, w] * x0 + q_rows[r, w + 1] * x1
                                      + q_rows[r, w + 2] * x2 + q_rows[r, w + 3] * x3)
                 else:
@@ -256,17 +322,16 @@ def decode_kernel(spec, paged, async_copy):
                     k4, k5 = unpack(bits_of_float32(x2))
                     k6, k7 = unpack(bits_of_float32(x3))
                     for i in range(ROWS_PER_WARP):
-                        r = warp * ROWS_PER_WARP + i
+                        r = first_row + i
                         s_row[i] += (q_rows[r, c] * k0 + q_rows[r, c + 1] * k1
                                      + q_rows[r, c + 2] * k2 + q_rows[r, c + 3] * k3
                                      + q_rows[r, c + 4] * k4 + q_rows[r, c + 5] * k5
                                      + q_rows[r, c + 6] * k6 + q_rows[r, c + 7] * k7)
             for i in range(ROWS_PER_WARP):
-                r = warp * ROWS_PER_WARP + i
+                r = first_row + i
                 row = r0 + r
                 # The score mod and the mask (a row past the block's rows sees nothing, and
-                # still takes part in the shuffles, which the simulator's twin makes
-                # block-wide).
+                # still takes part in the warp's shuffles).
                 s = NEG_INF
                 if row < n_rows:  # (warp-uniform)
                     t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
@@ -280,7 +345,7 @@ def decode_kernel(spec, paged, async_copy):
                 m_i[i], m_ref, alpha = online_update(m_i[i], warp_max(s) * tile_scale)
                 p = probability(s, tile_scale, m_ref)
                 l_i[i] = l_i[i] * alpha + p
-                p_rows[r, lane] = p
+                p_rows[warp * ROWS_PER_WARP + i, lane] = p
                 for c in range(OUT_COLS):
                     acc[i, c] *= alpha
             syncwarp()  # why: the warp's P rows are written before its lanes read all of them
@@ -288,80 +353,54 @@ def decode_kernel(spec, paged, async_copy):
             for j in range(BLOCK_N):
                 for c in range(OUT_COLS):
                     col = lane + 32 * c
-                    v_jc = decode(v_tile[stage_row + j, col]) if col < D else ZERO
+                    v_jc = decode(v_tile[stage_row + key_slot + j, col]) if col < D else ZERO
                     for i in range(ROWS_PER_WARP):
                         acc[i, c] += p_rows[warp * ROWS_PER_WARP + i, j] * v_jc
         wait_loads()  # (no copy left in flight when the block ends)
 
         # Epilogue: the row sum over the lanes; this split's normalised output and lse.
-        for i in range(ROWS_PER_WARP):
-            row = r0 + warp * ROWS_PER_WARP + i
-            l_row = warp_sum(l_i[i])
-            inv_l, lse_row = finalize(l_row, m_i[i])
-            if row < n_rows:
-                t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
+        if KEY_WARPS == 1:
+            for i in range(ROWS_PER_WARP):
+                row = r0 + first_row + i
+                l_row = warp_sum(l_i[i])
+                inv_l, lse_row = finalize(l_row, m_i[i])
+                if row < n_rows:
+                    store_row(out_part, lse_part, split, b, h_kv, row, acc, i, inv_l, lse_row,
+                              lane)
+        else:  # the key warps' partial results, merged by their maxes
+            merged_m = shared_tile(smem, MERGE_M, KEY_WARPS, ROWS, float32)
+            merged_l = shared_tile(smem, MERGE_L, KEY_WARPS, ROWS, float32)
+            merged_acc = shared_tile(smem, MERGE_ACC, MERGE_ROWS, COLS, float32)
+            for i in range(ROWS_PER_WARP):
+                r = first_row + i
+                l_row = warp_sum(l_i[i])
+                if lane == 0:
+                    merged_m[key_warp, r] = m_i[i]
+                    merged_l[key_warp, r] = l_row
                 for c in range(OUT_COLS):
                     col = lane + 32 * c
-                    if col < D:
-                        out_part[split, b, t_row, h, col] = acc[i, c] * inv_l
-                if lane == 0:
-                    lse_part[split, b, h, t_row] = lse_row
+                    if col < COLS:
+                        merged_acc[key_warp * ROWS + r, col] = acc[i, c]
+            cuda.syncthreads()  # why: every warp's partial results are in shared memory
+            for r in range(warp, ROWS, WARPS):  # (row r: warp r % WARPS)
+                if r0 + r < n_rows:
+                    m_row = NEG_INF
+                    for w in range(KEY_WARPS):
+                        m_row = max(m_row, merged_m[w, r])
+                    m_ref = m_row if m_row != NEG_INF else ZERO  # (no key seen: weights 0)
+                    l_row = ZERO
+                    for w in range(KEY_WARPS):
+                        l_row += merged_l[w, r] * exp2(merged_m[w, r] - m_ref)
+                    inv_l, lse_row = finalize(l_row, m_row)
+                    for c in range(OUT_COLS):
+                        col = lane + 32 * c
+                        value = ZERO
+                        if col < COLS:
+                            for w in range(KEY_WARPS):
+                                weight = exp2(merged_m[w, r] - m_ref)
+                                value += merged_acc[w * ROWS + r, col] * weight
+                        acc[0, c] = value
+                    store_row(out_part, lse_part, split, b, h_kv, r0 + r, acc, 0, inv_l,
+                              lse_row, lane)
 
     return cuda.jit(flash_decode, cache=True)
-
-
-@functools.lru_cache(maxsize=None)
-def combine_kernel(bf16):
-    """out, lse from the splits' float32 outputs and lses: one warp per (b, t, h) row."""
-    encode = float32_to_bf16_bits if bf16 else unchanged
-
-    def combine(out_part, lse_part, out, lse):
-        splits, batch, seqlen_q, nheads, D = out_part.shape
-        row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
-        if row >= batch * seqlen_q * nheads:
-            return
-        h, t, b = row % nheads, row // nheads % seqlen_q, row // (nheads * seqlen_q)
-        top = NEG_INF
-        for s in range(splits):
-            top = max(top, lse_part[s, b, h, t])
-        total = ZERO
-        if top != NEG_INF:
-            for s in range(splits):
-                total += math.exp(lse_part[s, b, h, t] - top)
-        for col in range(lane, D, 32):
-            value = ZERO
-            if top != NEG_INF:
-                for s in range(splits):
-                    part = lse_part[s, b, h, t]
-                    if part != NEG_INF:  # (a split without keys: weight 0, output unread)
-                        value += math.exp(part - top) / total * out_part[
-                            s, b, t, h, col]
-            out[b, t, h, col] = encode(value)
-        if lane == 0:
-            lse[b, h, t] = top + math.log(total) if top != NEG_INF else NEG_INF
-
-    return cuda.jit(combine, cache=True)
-
-
-@functools.lru_cache(maxsize=None)
-def append_kernel(paged):
-    """k_new, v_new (batch, new_tokens, nheads_kv, D) into the caches at positions
-    cache_seqlens[b] + i (or fixed_seqlen + i), bit for bit; a grid-stride loop."""
-    def append(k_new, v_new, k_cache, v_cache, block_table, cache_seqlens, fixed_seqlen):
-        batch, new_tokens, nheads_kv, D = k_new.shape
-        block_size = k_cache.shape[1]
-        for i in range(cuda.grid(1), batch * new_tokens * nheads_kv * D, cuda.gridsize(1)):
-            c = i % D
-            h = i // D % nheads_kv
-            n = i // (D * nheads_kv) % new_tokens
-            b = i // (D * nheads_kv * new_tokens)
-            key = int32(fixed_seqlen if fixed_seqlen >= 0 else cache_seqlens[b]) + n
-            if paged:
-                page, slot = block_table[b, key // block_size], key % block_size
-            else:
-                page, slot = b, key
-            k_cache[page, slot, h, c] = k_new[b, n, h, c]
-            v_cache[page, slot, h, c] = v_new[b, n, h, c]
-
-    return cuda.jit(append, cache=True)
