@@ -10,6 +10,8 @@
 #   bash scripts/gpu_check.sh overhead # scripts/overhead.py: host time per call, with cProfile
 #   bash scripts/gpu_check.sh decode   # forward_kvcache: pytest -m gpu tests/kvcache, memcheck of
 #                                      # reliability.py sanitize-kvcache, scripts/bench_decode.py
+#   bash scripts/gpu_check.sh ring     # ring_attention on one GPU: a world of one over NCCL,
+#                                      # attention beside a copy on another stream
 #   bash scripts/gpu_check.sh hopper   # the Hopper family (sm_90): its intrinsics and kernel
 #                                      # tests, memcheck/racecheck/synccheck of reliability.py
 #                                      # sanitize-hopper, bench.py beside numba-mma, flash, cuDNN
@@ -80,6 +82,9 @@ for stage in "$@"; do
             tail -2 "$OUT/sanitizer_kvcache.log"
             timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_decode.py \
                 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" || status=1 ;;
+        ring)
+            timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ring \
+                2>&1 | tee "$OUT/gpu_ring.log" | tail -4 || status=1 ;;
         hopper)
             (cd tests/device && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
                 test_hopper_intrinsics.py) 2>&1 | tee "$OUT/hopper_intrinsics.log" | tail -2 \
@@ -111,7 +116,7 @@ for stage in "$@"; do
                 --json "$OUT/bench.json" --plot "$OUT/bench.png" \
                 2>&1 | grep -v '^\[' | tee "$OUT/bench.log" || status=1 ;;
         *) echo "unknown stage $stage (tests, api, tune, sanitize, reliability, overhead, decode," \
-                "hopper, verify, bench)"; exit 2 ;;
+                "ring, hopper, verify, bench)"; exit 2 ;;
     esac
 done
 exit $status
