@@ -1,6 +1,6 @@
 """Register tiles in the accumulator layout that mma.sync m16n8k16 and wgmma m64nNk16 share,
-and what every tensor-core family does with them: the online softmax of a tile of scores, P
-packed as A fragments, rows of O stored.
+and what every tensor-core family does with them: the online softmax of a tile of scores, the
+backward's P and dS of a tile, P packed as A fragments, rows of O stored.
 
 A warp holds 16 rows of a tile (a 16-row slice; a wgmma warpgroup's warp w holds rows 16w..)
 as (slices, 8-column blocks, 4) float32 arrays: with g = lane // 4 and t = lane % 4, entry
@@ -17,7 +17,7 @@ from .constants import NEG_INF, ZERO
 from .intrinsics import pack_bf16x2, pack_f16x2, shfl_xor
 from .mask import make_mask
 from .score_mod import make_score_mod
-from .softmax import online_update, probability
+from .softmax import grad_score, online_update, probability
 
 
 def _pack(bf16):
@@ -80,6 +80,61 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
             l_i[sl, half] = l_i[sl, half] * alpha[half] + row_sum
 
     return softmax_step
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_gradients(spec, block_count, key_bound=True):
+    """(row_gradients, column_gradients): the backward's P = exp2(S·scale − lse) (score mod
+    and its derivative, device/score_mod.py; 0 where the mask hides the pair on a partial
+    tile) in place of S and dS = P ∘ (dP − D) · (the score mod's derivative) in place of dP,
+    for one 16-row slice of block_count 8-column blocks:
+
+    row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale,
+                  pre, slope, offset, seqlen_k, mask_at): rows are queries (row_lo, row_lo + 8
+        this lane's, their lse in log2 units and D given), columns the keys n0.. (dQ);
+    column_gradients(s, dp, key_lo, m0, partial, stats, lse_row, delta_row, tile_scale, pre,
+                     slope, offset, seqlen_k, mask_at): rows are keys (key_lo, key_lo + 8),
+        columns the queries m0.., whose lse and D are stats[lse_row, c] and
+        stats[delta_row, c] for the tile's query c (Sᵀ, for dK and dV).
+    Query rows past seqlen_q or that see no key come with lse = +inf: their P is 0."""
+    visible = make_mask(spec, key_bound)
+    score_and_grad = make_score_mod(spec).score_and_grad
+
+    @cuda.jit(device=True, inline="always")
+    def row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi,
+                      tile_scale, pre, slope, offset, seqlen_k, mask_at):
+        t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
+        for nb in range(block_count):
+            for r in range(4):
+                hi = r >= 2
+                row = row_lo + 8 * (r // 2)
+                col = n0 + 8 * nb + 2 * t + r % 2
+                score, dscore = score_and_grad(s[0, nb, r], pre, slope, row, col, offset,
+                                               seqlen_k, mask_at)
+                p = probability(score, tile_scale, lse_hi if hi else lse_lo)
+                if partial and not visible(row, col, seqlen_k, offset, mask_at):
+                    p = ZERO
+                s[0, nb, r] = p
+                dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo) * dscore
+
+    @cuda.jit(device=True, inline="always")
+    def column_gradients(s, dp, key_lo, m0, partial, stats, lse_row, delta_row, tile_scale,
+                         pre, slope, offset, seqlen_k, mask_at):
+        t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
+        for nq in range(block_count):
+            for r in range(4):
+                c = 8 * nq + 2 * t + r % 2  # the query within the tile
+                score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
+                                               key_lo + 8 * (r // 2), offset, seqlen_k,
+                                               mask_at)
+                p = probability(score, tile_scale, stats[lse_row, c])
+                if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
+                                           mask_at):
+                    p = ZERO
+                s[0, nq, r] = p
+                dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[delta_row, c]) * dscore
+
+    return row_gradients, column_gradients
 
 
 @functools.lru_cache(maxsize=None)

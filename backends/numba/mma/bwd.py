@@ -31,13 +31,12 @@ from numba import cuda, float32, uint16
 from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
-from ..device.fragments import make_fragment_store
+from ..device.fragments import make_fragment_store, make_tile_gradients
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
-from ..device.mask import make_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
-from ..device.softmax import grad_score, lse_log2, probability
+from ..device.softmax import lse_log2
 from ..device.tile_copy import make_cp_async_loader
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
@@ -77,14 +76,13 @@ def mma_dk_dv_kernel_function(config, spec):
     scores = make_warp_scores(spec.bf16, 1, NQ, D // 16, ROW)
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_M // 16, DB, ROW)
     store = make_fragment_store(spec.bf16, DB)
-    visible = make_mask(spec, key_bound=False)
     # (dK, dV rows past seqlen_k are never stored: no mask there)
+    column_gradients = make_tile_gradients(spec, NQ, key_bound=False)[1]
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
-    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    head_slope = score_mod.head_slope
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
 
@@ -106,7 +104,6 @@ def mma_dk_dv_kernel_function(config, spec):
         warp = tid // WARP
         lane = tid % WARP
         g = lane // 4
-        t = lane % 4
         n0 = cuda.blockIdx.x * BLOCK_N
         h_kv = cuda.blockIdx.y // d_split  # the key/value head; its GROUP query heads summed
         col0 = cuda.blockIdx.y % d_split * (8 * DB)  # the block's first dK, dV column
@@ -187,20 +184,8 @@ def mma_dk_dv_kernel_function(config, spec):
             if kind != EMPTY:
                 scores(s, opaque(k_a), opaque(q_b + stage_bytes))
                 scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
-                for nq in range(NQ):
-                    for r in range(4):
-                        c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                        # (query rows past seqlen_q or that see no key have lse = +inf: p = 0)
-                        score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
-                                                       key_lo + 8 * (r // 2), offset, seqlen_k,
-                                                       mask_at)
-                        p = probability(score, tile_scale, stats[2 * stage, c])
-                        if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k,
-                                                   offset, mask_at):
-                            p = ZERO
-                        s[0, nq, r] = p
-                        dp[0, nq, r] = grad_score(p, dp[0, nq, r],
-                                                  stats[2 * stage + 1, c]) * dscore
+                column_gradients(s, dp, key_lo, m0, partial, stats, 2 * stage, 2 * stage + 1,
+                                 tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
             if kind != EMPTY:
@@ -240,12 +225,11 @@ def mma_dq_kernel_function(config, spec):
     scores = make_warp_scores(spec.bf16, 1, NB, D // 16, ROW)
     accumulate = make_warp_accumulate(spec.bf16, 1, BLOCK_N // 16, DB, ROW)
     store = make_fragment_store(spec.bf16, DB)
-    visible = make_mask(spec)
+    row_gradients = make_tile_gradients(spec, NB)[0]
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
-    score_and_grad, exponent_scales = score_mod.score_and_grad, score_mod.scales
-    head_slope = score_mod.head_slope
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
 
@@ -261,7 +245,6 @@ def mma_dq_kernel_function(config, spec):
         warp = tid // WARP
         lane = tid % WARP
         g = lane // 4
-        t = lane % 4
         m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y // d_split
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
@@ -336,20 +319,8 @@ def mma_dq_kernel_function(config, spec):
             if kind != EMPTY:
                 scores(s, opaque(q_a), opaque(k_b + stage_bytes))
                 scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
-                for nb in range(NB):
-                    for r in range(4):
-                        hi = r >= 2
-                        col = n0 + 8 * nb + 2 * t + r % 2
-                        score, dscore = score_and_grad(s[0, nb, r], pre, slope,
-                                                       row_hi if hi else row_lo, col, offset,
-                                                       seqlen_k, mask_at)
-                        p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                        if partial and not visible(row_hi if hi else row_lo, col, seqlen_k,
-                                                   offset, mask_at):
-                            p = ZERO
-                        s[0, nb, r] = p
-                        dp[0, nb, r] = grad_score(p, dp[0, nb, r],
-                                                  delta_hi if hi else delta_lo) * dscore
+                row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi,
+                              tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             # Accumulate: dQ += dS K (scaled at the end).
             if kind != EMPTY:
