@@ -31,9 +31,8 @@ from numba import cuda, float32, uint16, uint32, uint64
 from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
-from ..device.intrinsics import (SIMULATED, cp_async_commit, cp_async_wait, descriptor_at,
-                                 fence_mbarrier_init, fence_proxy_async, make_descriptor,
-                                 make_fence_operands, make_wgmma, mbarrier_arrive,
+from ..device.intrinsics import (SIMULATED, cp_async_commit, fence_mbarrier_init,
+                                 make_descriptor, make_fence_operands, mbarrier_arrive,
                                  mbarrier_init, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
                                  shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.score_mod import make_score_mod
@@ -42,7 +41,9 @@ from ..device.softmax import finalize
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import WARPGROUP, hopper_forward_config, hopper_forward_shared_bytes, tile_bytes
-from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, k_step, make_tile_loader
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .products import (announce_all, announce_previous, free_parity, full_parity,
+                       make_register_products, make_score_products)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +55,7 @@ def hopper_forward_kernel_function(config, spec):
     BLOCK_M, BLOCK_N, D = config.block_m, config.block_n, spec.head_dim
     CONSUMERS, STAGES = config.consumers, config.stages
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.registers
-    NB, DB, KD, KC = BLOCK_N // 8, D // 8, D // 16, BLOCK_N // 16
+    NB, DB, KC = BLOCK_N // 8, D // 8, BLOCK_N // 16
     Q_BYTES, KV_BYTES = tile_bytes(BLOCK_M, D), tile_bytes(BLOCK_N, D)
     K_START = Q_BYTES  # K stages, then V stages, after the Q tile
     V_START = K_START + STAGES * KV_BYTES
@@ -66,8 +67,8 @@ def hopper_forward_kernel_function(config, spec):
 
     load_q = make_tile_loader(D, BLOCK_M)
     load_kv = make_tile_loader(D, BLOCK_N)
-    scores_product = make_wgmma(BLOCK_N, spec.bf16)
-    pv_product = make_wgmma(D, spec.bf16, a_from_registers=True, b_mn_major=True)
+    score_products = make_score_products(BLOCK_N, spec.bf16, D, BLOCK_M, BLOCK_N)
+    pv_products = make_register_products(D, spec.bf16, KC, BLOCK_N)
     fence_scores, fence_out = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
     fence_p = make_fence_operands(KC * 4)
     softmax_step = make_tile_softmax(spec, NB, DB)
@@ -90,24 +91,17 @@ def hopper_forward_kernel_function(config, spec):
         landed = bars  # the barrier of the group before the newest: Q's first
         for j in range(n_tiles):
             s = j % STAGES
-            free = ((j // STAGES) + 1) % 2  # (the parity a fresh barrier passes at once)
             row0 = k_start + n_begin + j * BLOCK_N
-            mbarrier_wait(bars + K_EMPTY + 8 * s, free)
+            mbarrier_wait(bars + K_EMPTY + 8 * s, free_parity(j, STAGES))
             load_kv(smem_base + K_START + s * KV_BYTES, k, b, row0, h_kv, k_end)
             cp_async_commit()
-            cp_async_wait(1)
-            fence_proxy_async()  # why: cp.async wrote through the generic proxy; wgmma reads
-            mbarrier_arrive(landed)  # through the async proxy
-            mbarrier_wait(bars + V_EMPTY + 8 * s, free)
+            announce_previous(landed)
+            mbarrier_wait(bars + V_EMPTY + 8 * s, free_parity(j, STAGES))
             load_kv(smem_base + V_START + s * KV_BYTES, v, b, row0, h_kv, k_end)
             cp_async_commit()
-            cp_async_wait(1)
-            fence_proxy_async()
-            mbarrier_arrive(bars + K_FULL + 8 * s)
+            announce_previous(bars + K_FULL + 8 * s)
             landed = bars + V_FULL + 8 * s
-        cp_async_wait(0)
-        fence_proxy_async()
-        mbarrier_arrive(landed)
+        announce_all(landed)
 
     def flash_forward_hopper(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
                              cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
@@ -168,21 +162,16 @@ def hopper_forward_kernel_function(config, spec):
             mbarrier_wait(bars, 0)  # the Q tile has landed
             for j in range(n_tiles):
                 stage = j % STAGES
-                phase = (j // STAGES) % 2
+                phase = full_parity(j, STAGES)
                 n0 = n_begin + j * BLOCK_N
                 k_desc = make_descriptor(smem_base + K_START + stage * KV_BYTES,
                                          K_MAJOR_LEADING, ATOM_BYTES)
-                v_desc = make_descriptor(smem_base + V_START + stage * KV_BYTES,
-                                         BLOCK_N * ROW_BYTES, ATOM_BYTES)
 
                 # Scores: S = Q Kᵀ, 64 x BLOCK_N per consumer warpgroup, in registers.
                 mbarrier_wait(bars + K_FULL + 8 * stage, phase)
                 fence_scores(s)
                 wgmma_fence()
-                for kk in range(KD):
-                    scores_product(s, descriptor_at(q_desc, k_step(kk, BLOCK_M)),
-                                   descriptor_at(k_desc, k_step(kk, BLOCK_N)),
-                                   1 if kk > 0 else 0)
+                score_products(s, q_desc, k_desc)
                 wgmma_commit()
                 wgmma_wait(0)
                 fence_scores(s)
@@ -201,9 +190,7 @@ def hopper_forward_kernel_function(config, spec):
                 fence_out(acc)
                 fence_p(p)
                 wgmma_fence()
-                for kc in range(KC):
-                    pv_product(acc, (p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3]),
-                               descriptor_at(v_desc, 2 * ATOM_BYTES * kc), 1)
+                pv_products(acc, p, smem_base + V_START + stage * KV_BYTES)
                 wgmma_commit()
                 wgmma_wait(0)
                 fence_out(acc)
