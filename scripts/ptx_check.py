@@ -45,8 +45,12 @@ from numba_flash.backends.numba.decode.kernels import \
     shared_bytes as decode_shared_bytes  # noqa: E402
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
 from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
+from numba_flash.backends.numba.hopper.bwd_dk_dv import (  # noqa: E402
+    hopper_dk_dv_kernel_function)
+from numba_flash.backends.numba.hopper.bwd_dq import hopper_dq_kernel_function  # noqa: E402
 from numba_flash.backends.numba.hopper.config import (  # noqa: E402
-    HOPPER_SHARED_MEMORY_BYTES, hopper_forward_config, hopper_forward_shared_bytes)
+    HOPPER_SHARED_MEMORY_BYTES, hopper_backward_config, hopper_backward_shared_bytes,
+    hopper_forward_config, hopper_forward_shared_bytes)
 from numba_flash.backends.numba.hopper.fwd import hopper_forward_kernel_function  # noqa: E402
 from numba_flash.backends.numba.mma.bwd import (  # noqa: E402
     mma_dk_dv_kernel_function, mma_dq_kernel_function)
@@ -234,9 +238,9 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
 
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
-    """The Hopper family's forward for every head dim it has a config for, as _specs gives
-    them but the masked ones (the engine leaves attention masks to the mma.sync family), with
-    (dynamic shared bytes, launch bounds)."""
+    """The Hopper family's forward and backward (dK/dV, dQ) for every head dim they have a
+    config for, as _specs gives them but the masked ones (the engine leaves attention masks
+    to the mma.sync family), with (dynamic shared bytes, launch bounds)."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
         config = hopper_forward_config(head_dim)
@@ -250,6 +254,17 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                 yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
                        hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
+                backward = hopper_backward_config(head_dim)
+                if backward is None:
+                    continue
+                f3 = "float32[:, :, :]"
+                dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(backward, head_dim)
+                yield (f"hopper_bwd_dk_dv_{tag}", hopper_dk_dv_kernel_function(backward, spec),
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32"
+                       f"{extras})", dk_dv_bytes, (backward.threads, 1))
+                yield (f"hopper_bwd_dq_{tag}", hopper_dq_kernel_function(backward, spec),
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32{extras})",
+                       dq_bytes, (backward.threads, 1))
 
 
 def decode_kernel_cases(head_dims, dtypes):

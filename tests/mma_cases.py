@@ -141,9 +141,11 @@ def run_forward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
         assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-4 * scale
 
 
-def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None, **options):
-    """launch_mma_backward on random 16-bit inputs (out, lse from float64 attention), each
-    gradient checked by the rule against float64."""
+def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
+                 launch=launch_mma_backward, **options):
+    """`launch` (launch_mma_backward, or another family's launcher of the same arguments) on
+    random 16-bit inputs (out, lse from float64 attention), each gradient checked by the rule
+    against float64."""
     nheads = shape[3]
     spec, kv_heads = make_case_spec(shape, causal, dtype, kv_heads, options, lengths)
     case = Layout(rng, spec, shape, lengths, options.get("mask_mod"))
@@ -158,9 +160,10 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     delta = np.full(case.lse_shape, np.nan, np.float32)
     kernel_lse = lse.reshape(case.lse_shape)
     outb = outb.reshape(qb.shape)
-    launch_mma_backward(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
-                        extras=case.kernel_extras(spec, qb, kb, kernel_lse),
-                        tiles=case.tiles(spec, qb, kb, kernel_lse))
+    tiles = ({"tiles": case.tiles(spec, qb, kb, kernel_lse)} if spec.mask_mod is not None
+             else {})
+    launch(spec, dob, qb, kb, vb, outb, kernel_lse, delta, *grads, config=config,
+           extras=case.kernel_extras(spec, qb, kb, kernel_lse), **tiles)
     refs = attention_backward(np, do, q, k, v, out, lse, spec, np.float64, case.extras)
     bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):

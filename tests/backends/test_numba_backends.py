@@ -136,14 +136,16 @@ def _host(x):
 CASES = [("numba-mma", "float16", (1, 9, 20, 2, 16)),
          ("numba-mma", "bfloat16", (1, 21, 7, 1, 24)),
          ("numba-simt", "bfloat16", (1, 9, 20, 2, 16)),
-         ("numba", "bfloat16", (1, 7, 11, 1, 200))]
+         ("numba", "bfloat16", (1, 7, 11, 1, 200)),
+         ("numba-hopper", "float16", (1, 70, 37, 1, 40))]  # (d40 runs padded to 64)
 
 
 @pytest.mark.parametrize("backend, dtype, shape", CASES,
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
 def test_16_bit_inputs_through_the_api(rng, poisoned_outputs, backend, shape, dtype):
     """float16 (NumPy) and bfloat16 (CPU torch) through the public API: the tensor-core kernels
-    (head dim 24 padded to 32) and the SIMT kernels (bfloat16 as bit patterns; head dim 200)."""
+    (head dim 24 padded to 32), the SIMT kernels (bfloat16 as bit patterns; head dim 200) and
+    the Hopper ones (head dim 40 padded to 64, forward and backward on wgmma)."""
     if dtype == "bfloat16":
         pytest.importorskip("torch")
     batch, seqlen_q, seqlen_k, nheads, head_dim = shape
@@ -166,3 +168,31 @@ def test_16_bit_inputs_through_the_api(rng, poisoned_outputs, backend, shape, dt
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert type(got) is type(args[0]) and got.shape == ref.shape
         assert_within_rule(name, _host(got), base, ref, dtype)
+
+
+def test_the_hopper_engine_hands_backwards_it_has_no_kernels_for_to_its_backward_engine(
+        rng, monkeypatch):
+    """Head dims above 128 (no wgmma backward config; here every head dim, patched) and the
+    engine of "numba" (wgmma_backward=False) run the backward on the mma.sync kernels."""
+    engine = numba_flash.get_backend("numba-hopper").engines[0]
+    called = []
+    original = engine.backward_engine.backward
+    monkeypatch.setattr(engine.backward_engine, "backward",
+                        lambda *args: called.append(1) or original(*args))
+    q, k, v = random_qkv(rng, 1, 18, 21, 1, 16, "float16")
+    out, lse = numba_flash.forward(q, k, v, backend="numba-hopper")
+    numba_flash.backward(q, q, k, v, out, lse, backend="numba-hopper")
+    assert called == []  # (the wgmma backward)
+    monkeypatch.setattr(hopper_engine, "hopper_backward_config", lambda head_dim: None)
+    grads = numba_flash.backward(q, q, k, v, out, lse, backend="numba-hopper")
+    assert called == [1]
+    spec = make_spec(q)
+    refs = attention_backward(np, q.astype(np.float32), q.astype(np.float32),
+                              k.astype(np.float32), v.astype(np.float32), _host(out),
+                              _host(lse), spec, np.float64)
+    bases = plain16_backward(np, q.astype(np.float32), q.astype(np.float32),
+                             k.astype(np.float32), v.astype(np.float32), _host(out),
+                             _host(lse), spec, "float16")
+    for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
+        assert_within_rule(name, _host(got), base, ref, "float16")
+    assert numba_flash.get_backend("numba").engines[0].wgmma_backward is False

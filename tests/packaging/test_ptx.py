@@ -104,9 +104,9 @@ def test_the_decode_kernels_compiled(reports):
 
 
 def test_the_hopper_kernels_compiled_for_sm_90a(reports):
-    """wgmma products from the PTX on, register reallocation for the two roles, the mbarrier
-    pipeline fed by cp.async, and no ptxas warning (C7508: setmaxnreg ignored, C7515: wgmma
-    serialised): a warning fails here."""
+    """The forward and the backward: wgmma products from the PTX on, register reallocation for
+    the two roles, the mbarrier pipeline fed by cp.async, and no ptxas warning (C7508:
+    setmaxnreg ignored; C7512, C7513, C7515: wgmma serialised): a warning fails here."""
     found = {r["kernel"]: r for r in reports if r["cc"] == "90a"}
     for head_dim, products in ((64, 12), (128, 16), (256, 20)):  # D/16 + block_n/16 per tile
         for causal in ("full", "causal"):
@@ -114,7 +114,13 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
                 assert f"hopper_forward_d{head_dim}_{causal}_{dtype}" in found
             assert found[f"hopper_forward_d{head_dim}_{causal}_f16"]["wgmma.mma_async"] == \
                 products
+    for head_dim in (64, 128):  # the backward (dK/dV: Sᵀ, dPᵀ, dV, dK; dQ: S, dP, dQ)
+        for kind in ("dk_dv", "dq"):
+            for dtype in ("f16", "bf16"):
+                assert f"hopper_bwd_{kind}_d{head_dim}_causal_{dtype}" in found
+            assert found[f"hopper_bwd_{kind}_d{head_dim}_full_f16"]["wgmma.mma_async"] > 0
     assert "hopper_forward_d128_variants_bf16" in found
+    assert "hopper_bwd_dk_dv_d128_variants_bf16" in found
     for name, r in found.items():
         assert r["setmaxnreg"] == 2 and r["mbarrier.try_wait"] > 0 and r["cp.async.cg"] > 0, r
         assert r["ptxas_warnings"] == [], (name, r["ptxas_warnings"])

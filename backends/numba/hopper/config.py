@@ -11,6 +11,10 @@ WARPGROUP = 128
 #: The producer's cp.async loop spills below 72 (d128 with every variant: 56 spilled 8
 #: bytes); the d256 consumers below about 200.
 REGISTERS = {2: (72, 216)}
+#: the backward's: its producer streams two 16-bit tiles per step with the other two held,
+#: and spilled below 96 at d128, below 104 with every variant (its consumers fit in 200 with
+#: 32-query tiles for dK/dV)
+BACKWARD_REGISTERS = {2: (104, 200)}
 #: shared memory a Hopper block may take (sm_90's opt-in limit)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 
@@ -46,6 +50,39 @@ _HOPPER_FORWARD = (
 )
 
 
+@dataclass(frozen=True)
+class HopperBackwardConfig:
+    """Tile shape of the Hopper backward: `consumers` consumer warpgroups of 64 rows each (keys
+    in dK/dV, queries in dQ: 64 · consumers per block), dK/dV looping over query tiles of
+    block_m and dQ over key tiles of block_n, each in a pipeline of `stages` buffers."""
+
+    block_m: int
+    block_n: int
+    consumers: int = 2
+    stages: int = 2
+
+    @property
+    def rows(self):
+        """Keys of a dK/dV block, queries of a dQ block."""
+        return 64 * self.consumers
+
+    @property
+    def threads(self):
+        return WARPGROUP * (1 + self.consumers)
+
+    @property
+    def registers(self):
+        return BACKWARD_REGISTERS[self.consumers]
+
+
+# d256: dK and dV of 64 keys would take the consumers' every register (the mma.sync backward
+# splits the head dim there; these kernels do not yet).
+_HOPPER_BACKWARD = (
+    (64, HopperBackwardConfig(block_m=64, block_n=64)),
+    (128, HopperBackwardConfig(block_m=32, block_n=64)),
+)
+
+
 def column_blocks(head_dim):
     """64-column blocks of a tile's rows (the 128-byte swizzle's row width, 16-bit data)."""
     return -(-head_dim // 64)
@@ -60,6 +97,20 @@ def hopper_forward_shared_bytes(config, head_dim):
     atoms (the mbarriers are static shared memory)."""
     return (tile_bytes(config.block_m, head_dim)
             + 2 * config.stages * tile_bytes(config.block_n, head_dim) + 1024)
+
+
+def hopper_backward_shared_bytes(config, head_dim):
+    """(dK/dV, dQ) dynamic shared memory: the block's two tiles of `rows` rows (K and V; Q and
+    dO), `stages` pairs of streamed tiles (Q and dO of block_m rows; K and V of block_n), and
+    1024 bytes of alignment (lse and D of the streamed queries: static shared memory)."""
+    fixed = 2 * tile_bytes(config.rows, head_dim) + 1024
+    return (fixed + 2 * config.stages * tile_bytes(config.block_m, head_dim),
+            fixed + 2 * config.stages * tile_bytes(config.block_n, head_dim))
+
+
+def hopper_backward_config(head_dim):
+    """The Hopper backward's config for head_dim (64 or 128), or None."""
+    return None if head_dim % 16 else lookup(_HOPPER_BACKWARD, head_dim)
 
 
 def hopper_forward_config(head_dim):

@@ -1,10 +1,11 @@
 """The Hopper engine: wgmma kernels for float16 and bfloat16 on compute capability 9.0 (sm_90a),
 head dims up to 256 (run padded to 64, 128 or 256).
 
-Its forward is the Hopper forward (fwd.py). Its backward is, for now, another engine's: the
-backend hands it one (the tensor-core engine's mma.sync kernels, which read the same out and
-lse), so that a training step runs its forward here and its backward there; the wgmma
-backward is the next kernel of this family.
+Its forward is the Hopper forward (fwd.py). Its backward is the Hopper backward (bwd.py:
+head dims up to 128) when the engine is made with wgmma_backward=True, else, and for larger
+head dims, another engine's: the backend hands it one (the tensor-core engine's mma.sync
+kernels, which read the same out and lse). "numba-hopper" takes the wgmma backward; "numba"
+keeps the mma.sync one until the wgmma backward has been measured on a GPU.
 
 Under the simulator the kernels run through the intrinsics' Python twins, slowly: only an
 engine made with run_in_simulator=True (the "numba-hopper" backend's) takes calls there.
@@ -14,7 +15,8 @@ from numba_flash import _arrays
 from .. import marshal
 from ..engine import Engine
 from ..gpu import compute_capability, simulator_enabled
-from .config import hopper_forward_config
+from .bwd import launch_hopper_backward
+from .config import hopper_backward_config, hopper_forward_config
 from .fwd import launch_hopper_forward
 
 DTYPES = ("float16", "bfloat16")
@@ -32,9 +34,10 @@ def hopper_head_dim(head_dim):
 class HopperEngine(Engine):
     name = "Hopper (wgmma)"
 
-    def __init__(self, backward_engine, run_in_simulator=False):
+    def __init__(self, backward_engine, run_in_simulator=False, wgmma_backward=False):
         self.backward_engine = backward_engine
         self.run_in_simulator = run_in_simulator
+        self.wgmma_backward = wgmma_backward
 
     def reason(self, spec, q, k, v):
         if spec.dtype not in DTYPES:
@@ -67,5 +70,19 @@ class HopperEngine(Engine):
             marshal.copy_padded(out_view, out_final, stream)
 
     def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
-        self.backward_engine.backward(spec, dout, q, k, v, out, lse, delta, grads, alloc,
-                                      stream, extras)
+        head_dim = hopper_head_dim(spec.head_dim)
+        if not (self.wgmma_backward and hopper_backward_config(head_dim)):
+            self.backward_engine.backward(spec, dout, q, k, v, out, lse, delta, grads, alloc,
+                                          stream, extras)
+            return
+        inputs = [marshal.tile_ready_input(x, alloc, head_dim, stream, bits=True)
+                  for x in (dout, q, k, v, out)]
+        outputs = [marshal.tile_ready_output(g, alloc, head_dim) for g in grads]
+        lse_view = marshal.view(lse)
+        launch_hopper_backward(spec, *inputs, lse_view, marshal.view(delta),
+                               *(kernel_view for kernel_view, _ in outputs), stream,
+                               extras=marshal.kernel_extras(spec, extras, *inputs[1:3],
+                                                            lse_view))
+        for kernel_view, final in outputs:
+            if final is not None:
+                marshal.copy_padded(kernel_view, final, stream)

@@ -11,7 +11,7 @@ product's K, columns its N): 16 keys are 2048 bytes; blocks `rows · 128` bytes 
 """
 import functools
 
-from numba import cuda
+from numba import cuda, uint32
 
 from ..device.intrinsics import advance, cp_async_16_from, global_address
 from .config import WARPGROUP
@@ -58,14 +58,14 @@ def make_tile_loader(head_dim, rows):
 
     @cuda.jit(device=True, inline="always")
     def load(tile, src, b, row0, h, nrows):
-        t = cuda.threadIdx.x % WARPGROUP
-        row, chunk = t // chunks, t % chunks
+        t = uint32(cuda.threadIdx.x % WARPGROUP)  # (unsigned: its row's % 8 is a mask, the
+        row, chunk = t // chunks, t % chunks  # same for every copy, STEP a multiple of 8)
         first = global_address(src, b, row0, h, 8 * chunk)  # (valid: row0 < nrows)
         source = global_address(src, b, row0 + row, h, 8 * chunk)
         step = src.strides[1] * STEP
         for i in range(COPIES):
             valid = row0 + row + i * STEP < nrows
-            cp_async_16_from(tile + chunk_offset(row + i * STEP, chunk, rows),
+            cp_async_16_from(tile + chunk_offset(row + uint32(i * STEP), chunk, rows),
                              source if valid else first, 16 if valid else 0)
             source = advance(source, step)
 

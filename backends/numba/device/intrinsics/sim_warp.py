@@ -17,7 +17,7 @@ import numpy as np
 WARP_SIZE = 32
 WARPGROUP_SIZE = 128
 #: a simulated barrier that waits longer than this is a deadlock in the kernel
-DEADLOCK_SECONDS = 600.0
+DEADLOCK_SECONDS = 120.0
 
 
 class SimulatedDeadlock(RuntimeError):

@@ -1,0 +1,55 @@
+"""The Hopper backward (sm_90a): D = rowsum(dO ∘ O) (device/delta.py), then the dK/dV kernel
+(bwd_dk_dv.py) and the dQ kernel (bwd_dq.py), deterministic (no atomics); P recomputed from
+Q, K and the saved lse, as every backward here."""
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ..device.constants import LOG2E
+from ..device.delta import launch_delta
+from ..device.intrinsics import SIMULATED
+from ..device.sequence import grid_extent
+from ..launch import kernel_extras_unused, launch
+from ..tile_classes import tile_arguments
+from .bwd_dk_dv import hopper_dk_dv_kernel_function
+from .bwd_dq import hopper_dq_kernel_function
+from .config import hopper_backward_config, hopper_backward_shared_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_backward_kernels(config, spec):
+    """The compiled (dk_dv, dq) kernels of one HopperBackwardConfig and kernel spec."""
+    functions = (hopper_dk_dv_kernel_function(config, spec),
+                 hopper_dq_kernel_function(config, spec))
+    if SIMULATED:  # (the simulator takes no launch bounds)
+        return tuple(cuda.jit(f) for f in functions)
+    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs
+    return tuple(cuda.jit(f, cache=True, launch_bounds=(config.threads, 1))
+                 for f in functions)
+
+
+def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
+                           config=None, extras=None):
+    """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
+    16-byte aligned rows, headdim the padded head dim (64 or 128); lse, delta (scratch):
+    float32 (batch, nheads, seqlen_q). `extras` as launch_hopper_forward's. `config`
+    overrides hopper_backward_config (tests, tuning)."""
+    _, _, nheads, head_dim = q.shape
+    extras = extras or kernel_extras_unused(lse)
+    seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
+    seqlen_k, _ = grid_extent(spec, k, extras[2], 1)
+    config = config or hopper_backward_config(head_dim)
+    if config is None:
+        raise ValueError(f"no Hopper backward config for head_dim {head_dim}")
+    dk_dv_kernel, dq_kernel = hopper_backward_kernels(config, spec.for_kernels(head_dim=head_dim))
+    scale = np.float32(spec.softmax_scale)
+    scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
+    dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(config, head_dim)
+    tiles = tile_arguments(None, lse, config.block_m, config.rows)
+    launch_delta(dout, out, delta, "bf16" if spec.bf16 else "f16", stream)
+    launch(dk_dv_kernel, (-(-seqlen_k // config.rows), k.shape[2], batch), config.threads,
+           stream, dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras,
+           *tiles)
+    launch(dq_kernel, (-(-seqlen_q // config.rows), nheads, batch), config.threads, stream,
+           dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras, *tiles)

@@ -1,0 +1,213 @@
+"""The Hopper backward's dK/dV kernel (sm_90a): wgmma products fed by a producer warpgroup
+through an mbarrier pipeline, deterministic (no atomics), in Numba.
+
+One block per (key tile of ROWS = 64·CONSUMERS keys, key/value head, batch entry or sequence)
+of 1 + CONSUMERS warpgroups:
+  - the producer (setmaxnreg.dec) copies the key tile's K and V once, then for each query
+    tile of each query head of the GQA group that sees the keys (device/block_range.py's
+    group walk, in a fixed order) its Q and dO (cp.async, the 128-byte swizzle of layout.py)
+    and its lse (log2 units) and D (plain stores) into stage j % STAGES, announcing each on
+    the stage's full mbarrier;
+  - each consumer (setmaxnreg.inc) owns 64 keys: per query tile Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+    (products over the head dim, both tiles K-major), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − D) in
+    registers (device/fragments.py, columns are queries), then dV += Pᵀ dO and dK += dSᵀ Q
+    with Pᵀ and dSᵀ packed to 16 bits as the products' A and dO, Q MN-major; then it frees
+    the stage. dK (times the softmax scale) and dV leave from registers.
+"""
+import functools
+
+from numba import cuda, float32, uint16, uint32, uint64
+
+from ..device.block_range import make_block_range, make_group_walk
+from ..device.constants import POS_INF, ZERO
+from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
+from ..device.intrinsics import (cp_async_commit, fence_mbarrier_init, make_descriptor,
+                                 make_fence_operands, mbarrier_arrive, mbarrier_init,
+                                 mbarrier_wait, opaque, setmaxnreg_dec, setmaxnreg_inc,
+                                 shared_base,
+                                 wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.score_mod import make_score_mod
+from ..device.sequence import make_sequence
+from ..device.softmax import lse_log2
+from .config import WARPGROUP, tile_bytes
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .products import (announce_all, announce_previous, free_parity, full_parity,
+                       make_register_products, make_score_products)
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_dk_dv_kernel_function(config, spec):
+    """The plain Python kernel for one HopperBackwardConfig and kernel spec
+    (AttentionSpec.for_kernels(), head_dim 64 or 128)."""
+    ROWS, BLOCK_M, D = config.rows, config.block_m, spec.head_dim
+    CONSUMERS, STAGES = config.consumers, config.stages
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.registers
+    NQ, DB, QC = BLOCK_M // 8, D // 8, BLOCK_M // 16
+    ROW_TILE, Q_TILE = tile_bytes(ROWS, D), tile_bytes(BLOCK_M, D)
+    V_START, Q_START = ROW_TILE, 2 * ROW_TILE  # K, V; then Q stages, then dO stages
+    DO_START = Q_START + STAGES * Q_TILE
+    # mbarriers: K and V landed; per stage full and empty
+    FULL, EMPTY = 8, 8 * (1 + STAGES)
+    BARRIERS = 1 + 2 * STAGES
+    STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
+    S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
+
+    load_keys = make_tile_loader(D, ROWS)
+    load_queries = make_tile_loader(D, BLOCK_M)
+    score_products = make_score_products(BLOCK_M, spec.bf16, D, ROWS, BLOCK_M)
+    grad_products = make_register_products(D, spec.bf16, QC, BLOCK_M)
+    fence_scores, fence_acc = make_fence_operands(NQ * 4), make_fence_operands(DB * 4)
+    fence_a = make_fence_operands(QC * 4)
+    # (dK, dV rows past seqlen_k are never stored: no mask there)
+    column_gradients = make_tile_gradients(spec, NQ, key_bound=False)[1]
+    pack_chunk = make_pack_chunk(spec.bf16)
+    store = make_fragment_store(spec.bf16, DB)
+    _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, ROWS, key_bound=False)
+    group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    score_mod = make_score_mod(spec)
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
+
+    @cuda.jit(device=True, inline="always")
+    def produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start, q_end, k_row0,
+                k_end, h_kv, h_first, m_begin, m_stop, span):
+        """K and V, then each query tile's Q, dO, lse and D, one commit group each, each
+        announced once landed (products.py)."""
+        load_keys(smem_base, k, b, k_row0, h_kv, k_end)
+        load_keys(smem_base + V_START, v, b, k_row0, h_kv, k_end)
+        cp_async_commit()
+        landed = bars  # (K and V's barrier first)
+        j = 0
+        for step in range(m_begin, m_stop, BLOCK_M):
+            head, m0 = walk_position(step, m_begin, span)
+            h = h_first + head
+            s = j % STAGES
+            mbarrier_wait(bars + EMPTY + 8 * s, free_parity(j, STAGES))
+            load_queries(smem_base + Q_START + s * Q_TILE, q, b, q_start + m0, h, q_end)
+            load_queries(smem_base + DO_START + s * Q_TILE, dout, b, q_start + m0, h, q_end)
+            for r in range(cuda.threadIdx.x % WARPGROUP, BLOCK_M, WARPGROUP):
+                row = q_start + m0 + r
+                in_range = row < q_end  # (rows past the sequence: P = 0)
+                stats[2 * s, r] = lse_log2(lse[b, h, row]) if in_range else POS_INF
+                stats[2 * s + 1, r] = delta[b, h, row] if in_range else ZERO
+            cp_async_commit()
+            announce_previous(landed)
+            landed = bars + FULL + 8 * s
+            j += 1
+        announce_all(landed)
+
+    def flash_bwd_dk_dv_hopper(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
+                               alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
+                               tile_spans, mod_arrays):
+        tid = cuda.threadIdx.x
+        warpgroup = tid // WARPGROUP
+        n0 = cuda.blockIdx.x * ROWS
+        h_kv = cuda.blockIdx.y  # the key/value head; its GROUP query heads summed
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        if VARLEN and n0 >= seqlen_k:
+            return  # (the grid is sized for the longest sequence; the whole block leaves)
+        m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        m_stop, span = group_walk(m_begin, m_end)
+        h_first = h_kv * GROUP
+
+        smem = cuda.shared.array(0, uint16)  # dynamic: K, V, Q and dO tiles
+        stats = cuda.shared.array(STATS_SHAPE, float32)
+        barrier_words = cuda.shared.array(BARRIERS, uint64)
+        smem_base = shared_base(smem, ATOM_BYTES)
+        bars = shared_base(barrier_words, 8)
+        if tid == 0:
+            mbarrier_init(bars, WARPGROUP)  # K and V: every producer thread arrives
+            for stage in range(STAGES):
+                mbarrier_init(bars + FULL + 8 * stage, WARPGROUP)
+                mbarrier_init(bars + EMPTY + 8 * stage, CONSUMERS)  # a thread of each consumer
+            fence_mbarrier_init()
+        cuda.syncthreads()  # why: the barriers are initialised before anyone uses them
+
+        if warpgroup == 0:
+            setmaxnreg_dec(PRODUCER_REGISTERS)
+            produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start,
+                    q_start + seqlen_q, k_start + n0, k_start + seqlen_k, h_kv, h_first,
+                    m_begin, m_stop, span)
+        else:
+            setmaxnreg_inc(CONSUMER_REGISTERS)
+            consumer = warpgroup - 1
+            lane = tid % 32
+            # This thread's keys: key_lo and key_lo + 8 (the rows of Sᵀ).
+            key_lo = n0 + 64 * consumer + 16 * ((tid % WARPGROUP) // 32) + lane // 4
+            offset = seqlen_k - seqlen_q
+            tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+
+            s = cuda.local.array(S_SHAPE, float32)  # Sᵀ, then Pᵀ
+            dp = cuda.local.array(S_SHAPE, float32)  # dPᵀ, then dSᵀ
+            dk_acc = cuda.local.array(ACC_SHAPE, float32)
+            dv_acc = cuda.local.array(ACC_SHAPE, float32)
+            p = cuda.local.array(A_SHAPE, uint32)
+            ds = cuda.local.array(A_SHAPE, uint32)
+            for db in range(DB):
+                for r in range(4):
+                    dk_acc[0, db, r] = ZERO
+                    dv_acc[0, db, r] = ZERO
+            k_rows = smem_base + 64 * consumer * ROW_BYTES  # (this consumer's K rows)
+            mbarrier_wait(bars, 0)  # K and V have landed
+            j = 0
+            for step in range(m_begin, m_stop, BLOCK_M):
+                head, m0 = walk_position(step, m_begin, span)
+                h = h_first + head
+                stage = j % STAGES
+                q_tile = smem_base + Q_START + stage * Q_TILE
+                do_tile = smem_base + DO_START + stage * Q_TILE
+                mbarrier_wait(bars + FULL + 8 * stage, full_parity(j, STAGES))
+
+                # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x BLOCK_M queries. (The K and V
+                # descriptors are made again each tile, from an address the compiler cannot
+                # look through: held across the loop, each k16 step's took two registers.)
+                rows = opaque(k_rows)
+                k_desc = make_descriptor(rows, K_MAJOR_LEADING, ATOM_BYTES)
+                v_desc = make_descriptor(rows + V_START, K_MAJOR_LEADING, ATOM_BYTES)
+                fence_scores(s)
+                fence_scores(dp)
+                wgmma_fence()
+                score_products(s, k_desc,
+                               make_descriptor(q_tile, K_MAJOR_LEADING, ATOM_BYTES))
+                score_products(dp, v_desc,
+                               make_descriptor(do_tile, K_MAJOR_LEADING, ATOM_BYTES))
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_scores(s)
+                fence_scores(dp)
+
+                # Pᵀ = exp2(Sᵀ - lse) and dSᵀ = Pᵀ (dPᵀ - D), the mask on partial tiles.
+                column_gradients(s, dp, key_lo, m0, is_partial(m0, n0, seqlen_q, seqlen_k),
+                                 stats, 2 * stage, 2 * stage + 1, tile_scale, pre,
+                                 head_slope(alibi_slopes, seq, h), offset, seqlen_k,
+                                 (attn_mask, seq, h, mod_arrays))
+                for qc in range(QC):
+                    p[qc, 0], p[qc, 1], p[qc, 2], p[qc, 3] = pack_chunk(s, 0, qc)
+                    ds[qc, 0], ds[qc, 1], ds[qc, 2], ds[qc, 3] = pack_chunk(dp, 0, qc)
+
+                # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (dO and Q MN-major).
+                fence_acc(dv_acc)
+                fence_acc(dk_acc)
+                fence_a(p)
+                fence_a(ds)
+                wgmma_fence()
+                grad_products(dv_acc, p, do_tile)
+                grad_products(dk_acc, ds, q_tile)
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_acc(dv_acc)
+                fence_acc(dk_acc)
+                if tid % WARPGROUP == 0:
+                    mbarrier_arrive(bars + EMPTY + 8 * stage)  # the stage is read
+                j += 1
+
+            # Epilogue: one write of dK (times the softmax scale) and dV.
+            k_row = k_start + key_lo
+            store(dk, dk_acc, 0, b, k_row, h_kv, 0, k_start + seqlen_k, softmax_scale,
+                  softmax_scale)
+            store(dv, dv_acc, 0, b, k_row, h_kv, 0, k_start + seqlen_k, float32(1.0),
+                  float32(1.0))
+
+    return flash_bwd_dk_dv_hopper

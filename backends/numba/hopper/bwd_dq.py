@@ -1,0 +1,191 @@
+"""The Hopper backward's dQ kernel (sm_90a): wgmma products fed by a producer warpgroup through
+an mbarrier pipeline, deterministic (no atomics), in Numba.
+
+One block per (query tile of ROWS = 64·CONSUMERS queries, head, batch entry or sequence) of
+1 + CONSUMERS warpgroups:
+  - the producer (setmaxnreg.dec) copies the query tile's Q and dO once, then each key tile
+    the queries see (device/block_range.py) K and V into stage j % STAGES (cp.async, the
+    128-byte swizzle of layout.py), announcing each on the stage's full mbarrier;
+  - each consumer (setmaxnreg.inc) owns 64 queries, their lse and D in registers: per key
+    tile S = Q Kᵀ and dP = dO Vᵀ (products over the head dim, all tiles K-major), P and
+    dS = P ∘ (dP − D) in registers (device/fragments.py, rows are queries), then dQ += dS K
+    with dS packed to 16 bits as the product's A and K MN-major; then it frees the stage.
+    dQ (times the softmax scale) leaves from registers.
+GQA: the block of query head h reads key/value head h // group; varlen: grid.z runs over the
+packed sequences (device/sequence.py).
+"""
+import functools
+
+from numba import cuda, float32, uint16, uint32, uint64
+
+from ..device.block_range import make_block_range
+from ..device.constants import POS_INF, ZERO
+from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
+from ..device.intrinsics import (cp_async_commit, fence_mbarrier_init, make_descriptor,
+                                 make_fence_operands, mbarrier_arrive, mbarrier_init,
+                                 mbarrier_wait, opaque, setmaxnreg_dec, setmaxnreg_inc,
+                                 shared_base,
+                                 wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.score_mod import make_score_mod
+from ..device.sequence import make_sequence
+from ..device.softmax import lse_log2
+from .config import WARPGROUP, tile_bytes
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .products import (announce_all, announce_previous, free_parity, full_parity,
+                       make_register_products, make_score_products)
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_dq_kernel_function(config, spec):
+    """The plain Python kernel for one HopperBackwardConfig and kernel spec
+    (AttentionSpec.for_kernels(), head_dim 64 or 128)."""
+    ROWS, BLOCK_N, D = config.rows, config.block_n, spec.head_dim
+    CONSUMERS, STAGES = config.consumers, config.stages
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.registers
+    NB, DB, KC = BLOCK_N // 8, D // 8, BLOCK_N // 16
+    ROW_TILE, KV_TILE = tile_bytes(ROWS, D), tile_bytes(BLOCK_N, D)
+    DO_START, K_START = ROW_TILE, 2 * ROW_TILE  # Q, dO; then K stages, then V stages
+    V_START = K_START + STAGES * KV_TILE
+    # mbarriers: Q and dO landed; per stage full and empty
+    FULL, EMPTY = 8, 8 * (1 + STAGES)
+    BARRIERS = 1 + 2 * STAGES
+    S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
+
+    load_queries = make_tile_loader(D, ROWS)
+    load_keys = make_tile_loader(D, BLOCK_N)
+    score_products = make_score_products(BLOCK_N, spec.bf16, D, ROWS, BLOCK_N)
+    grad_products = make_register_products(D, spec.bf16, KC, BLOCK_N)
+    fence_scores, fence_acc = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
+    fence_a = make_fence_operands(KC * 4)
+    row_gradients = make_tile_gradients(spec, NB)[0]
+    pack_chunk = make_pack_chunk(spec.bf16)
+    store = make_fragment_store(spec.bf16, DB)
+    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, ROWS, BLOCK_N)
+    score_mod = make_score_mod(spec)
+    exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
+    sequence = make_sequence(spec)
+    GROUP, VARLEN = spec.group, spec.varlen
+
+    @cuda.jit(device=True, inline="always")
+    def produce(smem_base, bars, q, k, v, dout, b, q_row0, q_end, k_start, k_end, h, h_kv,
+                n_begin, n_tiles):
+        """Q and dO, then each key tile's K and V, one commit group each, each announced once
+        landed (products.py)."""
+        load_queries(smem_base, q, b, q_row0, h, q_end)
+        load_queries(smem_base + DO_START, dout, b, q_row0, h, q_end)
+        cp_async_commit()
+        landed = bars  # (Q and dO's barrier first)
+        for j in range(n_tiles):
+            s = j % STAGES
+            row0 = k_start + n_begin + j * BLOCK_N
+            mbarrier_wait(bars + EMPTY + 8 * s, free_parity(j, STAGES))
+            load_keys(smem_base + K_START + s * KV_TILE, k, b, row0, h_kv, k_end)
+            load_keys(smem_base + V_START + s * KV_TILE, v, b, row0, h_kv, k_end)
+            cp_async_commit()
+            announce_previous(landed)
+            landed = bars + FULL + 8 * s
+        announce_all(landed)
+
+    def flash_bwd_dq_hopper(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale,
+                            alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
+                            tile_spans, mod_arrays):
+        tid = cuda.threadIdx.x
+        warpgroup = tid // WARPGROUP
+        m0 = query_tile_index() * ROWS
+        h = cuda.blockIdx.y
+        h_kv = h // GROUP  # the key/value head of this query head (GQA)
+        seq = cuda.blockIdx.z
+        b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        if VARLEN and m0 >= seqlen_q:
+            return  # (the grid is sized for the longest sequence; the whole block leaves)
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_tiles = max(0, n_end - n_begin + BLOCK_N - 1) // BLOCK_N
+
+        smem = cuda.shared.array(0, uint16)  # dynamic: Q, dO, K and V tiles
+        barrier_words = cuda.shared.array(BARRIERS, uint64)
+        smem_base = shared_base(smem, ATOM_BYTES)
+        bars = shared_base(barrier_words, 8)
+        if tid == 0:
+            mbarrier_init(bars, WARPGROUP)  # Q and dO: every producer thread arrives
+            for stage in range(STAGES):
+                mbarrier_init(bars + FULL + 8 * stage, WARPGROUP)
+                mbarrier_init(bars + EMPTY + 8 * stage, CONSUMERS)  # a thread of each consumer
+            fence_mbarrier_init()
+        cuda.syncthreads()  # why: the barriers are initialised before anyone uses them
+
+        if warpgroup == 0:
+            setmaxnreg_dec(PRODUCER_REGISTERS)
+            produce(smem_base, bars, q, k, v, dout, b, q_start + m0, q_start + seqlen_q,
+                    k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles)
+        else:
+            setmaxnreg_inc(CONSUMER_REGISTERS)
+            consumer = warpgroup - 1
+            lane = tid % 32
+            # This thread's queries: row_lo and row_lo + 8 (the rows of S).
+            row_lo = m0 + 64 * consumer + 16 * ((tid % WARPGROUP) // 32) + lane // 4
+            row_hi = row_lo + 8
+            lse_lo = lse_log2(lse[b, h, q_start + row_lo]) if row_lo < seqlen_q else POS_INF
+            lse_hi = lse_log2(lse[b, h, q_start + row_hi]) if row_hi < seqlen_q else POS_INF
+            delta_lo = delta[b, h, q_start + row_lo] if row_lo < seqlen_q else ZERO
+            delta_hi = delta[b, h, q_start + row_hi] if row_hi < seqlen_q else ZERO
+            offset = seqlen_k - seqlen_q
+            tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
+            slope = head_slope(alibi_slopes, seq, h)
+            mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
+
+            s = cuda.local.array(S_SHAPE, float32)  # S, then P
+            dp = cuda.local.array(S_SHAPE, float32)  # dP, then dS
+            dq_acc = cuda.local.array(ACC_SHAPE, float32)
+            ds = cuda.local.array(A_SHAPE, uint32)
+            for db in range(DB):
+                for r in range(4):
+                    dq_acc[0, db, r] = ZERO
+            q_rows = smem_base + 64 * consumer * ROW_BYTES  # (this consumer's Q rows)
+            mbarrier_wait(bars, 0)  # Q and dO have landed
+            for j in range(n_tiles):
+                stage = j % STAGES
+                n0 = n_begin + j * BLOCK_N
+                k_tile = smem_base + K_START + stage * KV_TILE
+                v_tile = smem_base + V_START + stage * KV_TILE
+                mbarrier_wait(bars + FULL + 8 * stage, full_parity(j, STAGES))
+
+                # Scores: S = Q Kᵀ and dP = dO Vᵀ, 64 queries x BLOCK_N keys. (The Q and dO
+                # descriptors are made again each tile, from an address the compiler cannot
+                # look through: held across the loop, each k16 step's took two registers.)
+                rows = opaque(q_rows)
+                q_desc = make_descriptor(rows, K_MAJOR_LEADING, ATOM_BYTES)
+                do_desc = make_descriptor(rows + DO_START, K_MAJOR_LEADING, ATOM_BYTES)
+                fence_scores(s)
+                fence_scores(dp)
+                wgmma_fence()
+                score_products(s, q_desc, make_descriptor(k_tile, K_MAJOR_LEADING, ATOM_BYTES))
+                score_products(dp, do_desc,
+                               make_descriptor(v_tile, K_MAJOR_LEADING, ATOM_BYTES))
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_scores(s)
+                fence_scores(dp)
+
+                # P = exp2(S - lse) and dS = P (dP - D), the mask on partial tiles.
+                row_gradients(s, dp, row_lo, n0, is_partial(m0, n0, seqlen_q, seqlen_k),
+                              lse_lo, lse_hi, delta_lo, delta_hi, tile_scale, pre, slope,
+                              offset, seqlen_k, mask_at)
+                for kc in range(KC):
+                    ds[kc, 0], ds[kc, 1], ds[kc, 2], ds[kc, 3] = pack_chunk(dp, 0, kc)
+
+                # Accumulate: dQ += dS K (K MN-major).
+                fence_acc(dq_acc)
+                fence_a(ds)
+                wgmma_fence()
+                grad_products(dq_acc, ds, k_tile)
+                wgmma_commit()
+                wgmma_wait(0)
+                fence_acc(dq_acc)
+                if tid % WARPGROUP == 0:
+                    mbarrier_arrive(bars + EMPTY + 8 * stage)  # the stage is read
+
+            # Epilogue: one write of dQ (times the softmax scale).
+            store(dq, dq_acc, 0, b, q_start + row_lo, h, 0, q_start + seqlen_q, softmax_scale,
+                  softmax_scale)
+
+    return flash_bwd_dq_hopper

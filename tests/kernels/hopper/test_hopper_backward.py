@@ -1,0 +1,54 @@
+"""The Hopper backward kernels (backends/numba/hopper/bwd_dk_dv.py, bwd_dq.py) against the
+float64 reference: under the simulator at small sizes (a few cases: three warpgroups of
+Python threads each, every variant the engine takes among them), and with `-m gpu` on an
+sm_90 GPU at real sizes."""
+import pytest
+from mma_cases import run_backward
+
+from numba_flash.backends.numba.hopper.bwd import launch_hopper_backward
+from numba_flash.backends.numba.hopper.config import HopperBackwardConfig
+
+# (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, config, options
+SIMULATOR_CASES = [
+    ((1, 70, 50, 1, 64), None, False, "float16", HopperBackwardConfig(32, 32), {}),
+    ((1, 40, 90, 2, 64), 1, True, "bfloat16", HopperBackwardConfig(32, 32), {}),  # GQA
+    ((1, 50, 60, 1, 128), None, True, "float16", HopperBackwardConfig(32, 64), {}),
+    ((1, 60, 75, 2, 64), 1, False, "float16", HopperBackwardConfig(32, 32),
+     dict(window_left=20, window_right=5, softcap=2.0, alibi=True)),
+    ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperBackwardConfig(32, 32),
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+]
+
+GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
+              (1, 1500, 700, 4, 128)]
+
+
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", SIMULATOR_CASES,
+                         ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-{len(c[5])}"
+                              for c in SIMULATOR_CASES])
+def test_hopper_backward_in_the_simulator(rng, shape, kv_heads, causal, dtype, config,
+                                          options):
+    run_backward(rng, shape, causal, dtype, config, kv_heads, launch=launch_hopper_backward,
+                 **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["x".join(map(str, s)) for s in GPU_SHAPES])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_on_the_gpu(rng, shape, causal, dtype):
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("the Hopper kernels need compute capability 9.0")
+    run_backward(rng, shape, causal, dtype, None, launch=launch_hopper_backward)
+
+
+def test_head_dims_without_a_backward_config_are_refused():
+    import numpy as np
+
+    from numba_flash.spec import AttentionSpec
+    q = np.zeros((1, 16, 1, 256), np.uint16)
+    lse = np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match="no Hopper backward config for head_dim 256"):
+        launch_hopper_backward(AttentionSpec(256, "float16", softmax_scale=0.1), q, q, q, q, q,
+                               lse, lse, q, q, q)
