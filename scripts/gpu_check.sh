@@ -14,7 +14,8 @@
 #                                      # attention beside a copy on another stream
 #   bash scripts/gpu_check.sh hopper   # the Hopper family (sm_90): its intrinsics and kernel
 #                                      # tests, memcheck/racecheck/synccheck of reliability.py
-#                                      # sanitize-hopper, bench.py beside numba-mma, flash, cuDNN
+#                                      # sanitize-hopper, bench.py (forward and forward +
+#                                      # backward) beside numba-mma, flash, cuDNN
 # Each stage fits one device call (under 10 minutes, JIT compilation included). The GPU
 # machine's numba-cuda needs numpy < 2.5: carry a numpy 2.4 wheel in .whl/ (carry: [".whl"]).
 set -uo pipefail
@@ -103,7 +104,7 @@ for stage in "$@"; do
             grep -E "SUMMARY|exit" "$OUT/sanitizer_hopper.log"
             (cd scripts && timeout "${BENCH_TIMEOUT:-360}" python3 bench.py --dtypes float16 \
                 bfloat16 --head-dims 64 128 256 --seqlens 4096 16384 --causal false true \
-                --backends numba-hopper numba-mma --sdpa flash cudnn \
+                --passes fwd fwdbwd --backends numba-hopper numba-mma --sdpa flash cudnn \
                 --json "$OUT/bench_hopper.json") 2>&1 | grep -v '^\[' \
                 | tee "$OUT/bench_hopper.log" | tail -26 || status=1 ;;
         verify)
