@@ -21,17 +21,17 @@ from numba import cuda, float32, uint16, uint32, uint64
 from ..device.block_range import make_block_range, make_group_walk
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
-from ..device.intrinsics import (cp_async_commit, fence_mbarrier_init, make_descriptor,
-                                 make_fence_operands, mbarrier_arrive, mbarrier_init,
-                                 mbarrier_wait, opaque, setmaxnreg_dec, setmaxnreg_inc,
-                                 shared_base,
-                                 wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
+                                 mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
+                                 setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
+                                 wgmma_wait)
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
 from .config import WARPGROUP, tile_bytes
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
-from .products import (announce_all, announce_previous, free_parity, full_parity,
+from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
+                       free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
 
 
@@ -46,9 +46,10 @@ def hopper_dk_dv_kernel_function(config, spec):
     ROW_TILE, Q_TILE = tile_bytes(ROWS, D), tile_bytes(BLOCK_M, D)
     V_START, Q_START = ROW_TILE, 2 * ROW_TILE  # K, V; then Q stages, then dO stages
     DO_START = Q_START + STAGES * Q_TILE
-    # mbarriers: K and V landed; per stage full and empty
-    FULL, EMPTY = 8, 8 * (1 + STAGES)
-    BARRIERS = 1 + 2 * STAGES
+    # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
+    FULL, EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
+    BARRIERS = barrier_words(1, STAGES)
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
 
@@ -118,11 +119,7 @@ def hopper_dk_dv_kernel_function(config, spec):
         smem_base = shared_base(smem, ATOM_BYTES)
         bars = shared_base(barrier_words, 8)
         if tid == 0:
-            mbarrier_init(bars, WARPGROUP)  # K and V: every producer thread arrives
-            for stage in range(STAGES):
-                mbarrier_init(bars + FULL + 8 * stage, WARPGROUP)
-                mbarrier_init(bars + EMPTY + 8 * stage, CONSUMERS)  # a thread of each consumer
-            fence_mbarrier_init()
+            init_barriers(bars)
         cuda.syncthreads()  # why: the barriers are initialised before anyone uses them
 
         if warpgroup == 0:

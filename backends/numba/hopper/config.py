@@ -19,18 +19,13 @@ BACKWARD_REGISTERS = {2: (104, 200)}
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 
 
-@dataclass(frozen=True)
-class HopperConfig:
-    """Tile shape of the Hopper forward: one producer warpgroup and `consumers` consumer
-    warpgroups of 64 query rows each (block_m = 64 · consumers), key tiles of block_n keys
-    in a pipeline of `stages` K and V buffers."""
-
-    block_n: int
-    consumers: int = 2
-    stages: int = 2
+class _Roles:
+    """A block of one producer warpgroup and `consumers` consumer warpgroups of 64 rows each;
+    `register_table` gives each role's registers after setmaxnreg."""
 
     @property
-    def block_m(self):
+    def rows(self):
+        """The rows the consumers own together (64 each)."""
         return 64 * self.consumers
 
     @property
@@ -40,7 +35,22 @@ class HopperConfig:
     @property
     def registers(self):
         """(producer, consumer) registers per thread after setmaxnreg."""
-        return REGISTERS[self.consumers]
+        return self.register_table[self.consumers]
+
+
+@dataclass(frozen=True)
+class HopperConfig(_Roles):
+    """Tile shape of the Hopper forward: consumers of 64 query rows each (block_m = 64 ·
+    consumers), key tiles of block_n keys in a pipeline of `stages` K and V buffers."""
+
+    block_n: int
+    consumers: int = 2
+    stages: int = 2
+    register_table = REGISTERS
+
+    @property
+    def block_m(self):
+        return self.rows
 
 
 _HOPPER_FORWARD = (
@@ -51,28 +61,16 @@ _HOPPER_FORWARD = (
 
 
 @dataclass(frozen=True)
-class HopperBackwardConfig:
-    """Tile shape of the Hopper backward: `consumers` consumer warpgroups of 64 rows each (keys
-    in dK/dV, queries in dQ: 64 · consumers per block), dK/dV looping over query tiles of
-    block_m and dQ over key tiles of block_n, each in a pipeline of `stages` buffers."""
+class HopperBackwardConfig(_Roles):
+    """Tile shape of the Hopper backward: consumers of 64 rows each (rows: keys of a dK/dV
+    block, queries of a dQ block), dK/dV looping over query tiles of block_m and dQ over key
+    tiles of block_n, each in a pipeline of `stages` buffers."""
 
     block_m: int
     block_n: int
     consumers: int = 2
     stages: int = 2
-
-    @property
-    def rows(self):
-        """Keys of a dK/dV block, queries of a dQ block."""
-        return 64 * self.consumers
-
-    @property
-    def threads(self):
-        return WARPGROUP * (1 + self.consumers)
-
-    @property
-    def registers(self):
-        return BACKWARD_REGISTERS[self.consumers]
+    register_table = BACKWARD_REGISTERS
 
 
 # d256: dK and dV of 64 keys would take the consumers' every register (the mma.sync backward

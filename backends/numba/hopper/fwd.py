@@ -31,9 +31,8 @@ from numba import cuda, float32, uint16, uint32, uint64
 from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
-from ..device.intrinsics import (SIMULATED, cp_async_commit, fence_mbarrier_init,
-                                 make_descriptor, make_fence_operands, mbarrier_arrive,
-                                 mbarrier_init, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
+from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor, make_fence_operands,
+                                 mbarrier_arrive, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
                                  shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -42,7 +41,8 @@ from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import WARPGROUP, hopper_forward_config, hopper_forward_shared_bytes, tile_bytes
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
-from .products import (announce_all, announce_previous, free_parity, full_parity,
+from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
+                       free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
 
 
@@ -59,10 +59,11 @@ def hopper_forward_kernel_function(config, spec):
     Q_BYTES, KV_BYTES = tile_bytes(BLOCK_M, D), tile_bytes(BLOCK_N, D)
     K_START = Q_BYTES  # K stages, then V stages, after the Q tile
     V_START = K_START + STAGES * KV_BYTES
-    # mbarriers (8 bytes each): Q full; K full, V full, K empty, V empty per stage
-    K_FULL, V_FULL = 8, 8 * (1 + STAGES)
-    K_EMPTY, V_EMPTY = 8 * (1 + 2 * STAGES), 8 * (1 + 3 * STAGES)
-    BARRIERS = 1 + 4 * STAGES
+    # mbarriers: Q's; the K and V pipelines' full and empty ones (products.py)
+    K_FULL, V_FULL = full_barrier(0, 0, STAGES), full_barrier(1, 0, STAGES)
+    K_EMPTY, V_EMPTY = empty_barrier(0, 0, STAGES, 2), empty_barrier(1, 0, STAGES, 2)
+    BARRIERS = barrier_words(2, STAGES)
+    init_barriers = make_barrier_init(2, STAGES, CONSUMERS)
     S_SHAPE, ACC_SHAPE, P_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
 
     load_q = make_tile_loader(D, BLOCK_M)
@@ -122,13 +123,7 @@ def hopper_forward_kernel_function(config, spec):
         smem_base = shared_base(smem, ATOM_BYTES)  # tiles start on the swizzle's atoms
         bars = shared_base(barrier_words, 8)
         if tid == 0:
-            mbarrier_init(bars, WARPGROUP)  # Q full: every producer thread arrives
-            for stage in range(STAGES):
-                mbarrier_init(bars + K_FULL + 8 * stage, WARPGROUP)
-                mbarrier_init(bars + V_FULL + 8 * stage, WARPGROUP)
-                mbarrier_init(bars + K_EMPTY + 8 * stage, CONSUMERS)  # one thread of each
-                mbarrier_init(bars + V_EMPTY + 8 * stage, CONSUMERS)  # consumer arrives
-            fence_mbarrier_init()
+            init_barriers(bars)
         cuda.syncthreads()  # why: the barriers are initialised before anyone uses them
 
         if warpgroup == 0:

@@ -5,15 +5,49 @@ over the head dim from two K-major tiles; a product with A from registers and B 
 A pipeline of `stages` buffers: use j of buffer j % stages waits on the buffer's `full`
 mbarrier for parity full_parity(j) and frees it on its `empty` one; the producer waits on
 `empty` for free_parity(j) before refilling (a fresh barrier passes parity 1 at once, so the
-first pass over the buffers does not wait).
+first pass over the buffers does not wait). A kernel's mbarriers (barrier_bytes): the tiles
+it loads once, then the full barriers of each of its `groups` pipelines, then their empty
+ones (full_barrier, empty_barrier give their byte offsets).
 """
 import functools
 
 from numba import cuda
 
-from ..device.intrinsics import (cp_async_wait, descriptor_at, fence_proxy_async,
-                                 make_descriptor, make_wgmma, mbarrier_arrive)
+from ..device.intrinsics import (cp_async_wait, descriptor_at, fence_mbarrier_init,
+                                 fence_proxy_async, make_descriptor, make_wgmma,
+                                 mbarrier_arrive, mbarrier_init)
+from .config import WARPGROUP
 from .layout import ATOM_BYTES, ROW_BYTES, k_step
+
+
+def barrier_words(groups, stages):
+    """8-byte mbarriers of a kernel with `groups` pipelines of `stages` buffers."""
+    return 1 + 2 * groups * stages
+
+
+def full_barrier(group, stage, stages):
+    return 8 * (1 + group * stages + stage)
+
+
+def empty_barrier(group, stage, stages, groups):
+    return 8 * (1 + (groups + group) * stages + stage)
+
+
+@functools.lru_cache(maxsize=None)
+def make_barrier_init(groups, stages, consumers):
+    """init_barriers(bars) (one thread, before a block barrier): the once-loaded tiles' and
+    every full barrier count the producer's threads; every empty one a thread of each of the
+    `consumers` consumer warpgroups."""
+    @cuda.jit(device=True, inline="always")
+    def init_barriers(bars):
+        mbarrier_init(bars, WARPGROUP)
+        for group in range(groups):  # (full_barrier's and empty_barrier's offsets)
+            for stage in range(stages):
+                mbarrier_init(bars + 8 * (1 + group * stages + stage), WARPGROUP)
+                mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage), consumers)
+        fence_mbarrier_init()
+
+    return init_barriers
 
 
 @cuda.jit(device=True, inline="always")
