@@ -5,6 +5,7 @@ are tests/mma_cases.py's)."""
 import numpy as np
 from error_rule import assert_within_rule
 from hypothesis import strategies as st
+from mask_mods import document_mask, striped_mask
 from mma_cases import Layout, make_case_spec
 
 from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
@@ -18,21 +19,6 @@ SIMT_FORWARD = SimtForwardConfig(1, 2, 2)  # 8 queries x 16 keys
 SIMT_BACKWARD = SimtBackwardConfig(1, 1, 2, 1, 2)  # dk/dv: 4 keys x 16 queries; dq: 4 x 16
 MMA_FORWARD = MmaConfig(block_n=16, warps=1)
 MMA_BACKWARD = MmaBackwardConfig(block_m=16, block_n=16, warps=1)
-
-#: documents of 7 to 13 tokens (a packed batch's document ids, as a mask_mod reads them)
-DOCUMENTS = np.repeat(np.arange(8, dtype=np.int32), [7, 13, 9, 11, 8, 12, 10, 10])
-
-
-def document_mask(b, h, q_idx, kv_idx):
-    """Queries see the keys of their own document (with causal: the earlier ones)."""
-    return DOCUMENTS[q_idx] == DOCUMENTS[kv_idx]
-
-
-def striped_mask(b, h, q_idx, kv_idx):
-    """Key stripes of 16 that depend on the batch entry and head (tiles with no key seen
-    inside a row's range), and the first key for every query of even heads."""
-    return (kv_idx // 16 + b + h) % 3 != 1 or (kv_idx == 0 and h % 2 == 0)
-
 
 # (name, (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, options)
 FIXED = [

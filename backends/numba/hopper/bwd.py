@@ -24,17 +24,18 @@ def hopper_backward_kernels(config, spec):
                  hopper_dq_kernel_function(config, spec))
     if SIMULATED:  # (the simulator takes no launch bounds)
         return tuple(cuda.jit(f) for f in functions)
-    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs
-    return tuple(cuda.jit(f, cache=True, launch_bounds=(config.threads, 1))
+    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs; no disk
+    # cache with a mask_mod (its key would not see mask_mod's code)
+    return tuple(cuda.jit(f, cache=spec.mask_mod is None, launch_bounds=(config.threads, 1))
                  for f in functions)
 
 
 def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
-                           config=None, extras=None):
+                           config=None, extras=None, tiles=None):
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
     16-byte aligned rows, headdim the padded head dim (64 or 128); lse, delta (scratch):
-    float32 (batch, nheads, seqlen_q). `extras` as launch_hopper_forward's. `config`
-    overrides hopper_backward_config (tests, tuning)."""
+    float32 (batch, nheads, seqlen_q). `extras` and `tiles` as launch_hopper_forward's.
+    `config` overrides hopper_backward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
@@ -46,10 +47,10 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     scale = np.float32(spec.softmax_scale)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(config, head_dim)
-    tiles = tile_arguments(None, lse, config.block_m, config.rows)
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "f16", stream)
     launch(dk_dv_kernel, (-(-seqlen_k // config.rows), k.shape[2], batch), config.threads,
            stream, dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale, *extras,
-           *tiles)
+           *tile_arguments(tiles, lse, config.block_m, config.rows, along_keys=True))
     launch(dq_kernel, (-(-seqlen_q // config.rows), nheads, batch), config.threads, stream,
-           dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras, *tiles)
+           dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale, *extras,
+           *tile_arguments(tiles, lse, config.rows, config.block_n))

@@ -13,18 +13,21 @@ of 1 + CONSUMERS warpgroups:
     registers (device/fragments.py, columns are queries), then dV += Pᵀ dO and dK += dSᵀ Q
     with Pᵀ and dSᵀ packed to 16 bits as the products' A and dO, Q MN-major; then it frees
     the stage. dK (times the softmax scale) and dV leave from registers.
+A mask_mod's tile table (device/mask_mod.py) narrows the query range (over the group's heads),
+and the query tiles that see no key of the tile are neither copied nor computed.
 """
 import functools
 
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import make_block_range, make_group_walk
+from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
                                  mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
                                  setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
                                  wgmma_wait)
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
@@ -47,7 +50,7 @@ def hopper_dk_dv_kernel_function(config, spec):
     V_START, Q_START = ROW_TILE, 2 * ROW_TILE  # K, V; then Q stages, then dO stages
     DO_START = Q_START + STAGES * Q_TILE
     # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
-    FULL, EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
+    STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
     init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
@@ -65,6 +68,7 @@ def hopper_dk_dv_kernel_function(config, spec):
     store = make_fragment_store(spec.bf16, DB)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, ROWS, key_bound=False)
     group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, ROWS)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
@@ -72,9 +76,9 @@ def hopper_dk_dv_kernel_function(config, spec):
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start, q_end, k_row0,
-                k_end, h_kv, h_first, m_begin, m_stop, span):
-        """K and V, then each query tile's Q, dO, lse and D, one commit group each, each
-        announced once landed (products.py)."""
+                k_end, h_kv, h_first, m_begin, m_stop, span, tiles, seq, n0):
+        """K and V, then each visited query tile's Q, dO, lse and D, one commit group each,
+        each announced once landed (products.py)."""
         load_keys(smem_base, k, b, k_row0, h_kv, k_end)
         load_keys(smem_base + V_START, v, b, k_row0, h_kv, k_end)
         cp_async_commit()
@@ -83,8 +87,10 @@ def hopper_dk_dv_kernel_function(config, spec):
         for step in range(m_begin, m_stop, BLOCK_M):
             head, m0 = walk_position(step, m_begin, span)
             h = h_first + head
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
             s = j % STAGES
-            mbarrier_wait(bars + EMPTY + 8 * s, free_parity(j, STAGES))
+            mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
             load_queries(smem_base + Q_START + s * Q_TILE, q, b, q_start + m0, h, q_end)
             load_queries(smem_base + DO_START + s * Q_TILE, dout, b, q_start + m0, h, q_end)
             for r in range(cuda.threadIdx.x % WARPGROUP, BLOCK_M, WARPGROUP):
@@ -94,7 +100,7 @@ def hopper_dk_dv_kernel_function(config, spec):
                 stats[2 * s + 1, r] = delta[b, h, row] if in_range else ZERO
             cp_async_commit()
             announce_previous(landed)
-            landed = bars + FULL + 8 * s
+            landed = bars + STAGE_FULL + 8 * s
             j += 1
         announce_all(landed)
 
@@ -109,7 +115,9 @@ def hopper_dk_dv_kernel_function(config, spec):
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and n0 >= seqlen_k:
             return  # (the grid is sized for the longest sequence; the whole block leaves)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
+        m_begin, m_end = narrow(tiles, seq, h_kv, cuda.blockIdx.x, m_begin, m_end, BLOCK_M)
         m_stop, span = group_walk(m_begin, m_end)
         h_first = h_kv * GROUP
 
@@ -126,7 +134,7 @@ def hopper_dk_dv_kernel_function(config, spec):
             setmaxnreg_dec(PRODUCER_REGISTERS)
             produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start,
                     q_start + seqlen_q, k_start + n0, k_start + seqlen_k, h_kv, h_first,
-                    m_begin, m_stop, span)
+                    m_begin, m_stop, span, tiles, seq, n0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1
@@ -152,10 +160,13 @@ def hopper_dk_dv_kernel_function(config, spec):
             for step in range(m_begin, m_stop, BLOCK_M):
                 head, m0 = walk_position(step, m_begin, span)
                 h = h_first + head
+                kind = mod_class(tiles, seq, h, m0, n0)
+                if kind == EMPTY:  # (no query sees a key of it: mask_mod only)
+                    continue
                 stage = j % STAGES
                 q_tile = smem_base + Q_START + stage * Q_TILE
                 do_tile = smem_base + DO_START + stage * Q_TILE
-                mbarrier_wait(bars + FULL + 8 * stage, full_parity(j, STAGES))
+                mbarrier_wait(bars + STAGE_FULL + 8 * stage, full_parity(j, STAGES))
 
                 # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, 64 keys x BLOCK_M queries. (The K and V
                 # descriptors are made again each tile, from an address the compiler cannot
@@ -176,7 +187,8 @@ def hopper_dk_dv_kernel_function(config, spec):
                 fence_scores(dp)
 
                 # Pᵀ = exp2(Sᵀ - lse) and dSᵀ = Pᵀ (dPᵀ - D), the mask on partial tiles.
-                column_gradients(s, dp, key_lo, m0, is_partial(m0, n0, seqlen_q, seqlen_k),
+                column_gradients(s, dp, key_lo, m0,
+                                 is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL,
                                  stats, 2 * stage, 2 * stage + 1, tile_scale, pre,
                                  head_slope(alibi_slopes, seq, h), offset, seqlen_k,
                                  (attn_mask, seq, h, mod_arrays))
@@ -197,7 +209,7 @@ def hopper_dk_dv_kernel_function(config, spec):
                 fence_acc(dv_acc)
                 fence_acc(dk_acc)
                 if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + EMPTY + 8 * stage)  # the stage is read
+                    mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
                 j += 1
 
             # Epilogue: one write of dK (times the softmax scale) and dV.

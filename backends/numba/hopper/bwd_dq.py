@@ -12,19 +12,21 @@ One block per (query tile of ROWS = 64·CONSUMERS queries, head, batch entry or 
     with dS packed to 16 bits as the product's A and K MN-major; then it frees the stage.
     dQ (times the softmax scale) leaves from registers.
 GQA: the block of query head h reads key/value head h // group; varlen: grid.z runs over the
-packed sequences (device/sequence.py).
+packed sequences (device/sequence.py); a mask_mod's tile table (device/mask_mod.py) narrows the
+key range, and the tiles no query sees are neither copied nor computed.
 """
 import functools
 
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import make_block_range
+from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
                                  mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
                                  setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
                                  wgmma_wait)
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
@@ -47,7 +49,7 @@ def hopper_dq_kernel_function(config, spec):
     DO_START, K_START = ROW_TILE, 2 * ROW_TILE  # Q, dO; then K stages, then V stages
     V_START = K_START + STAGES * KV_TILE
     # mbarriers: Q and dO's; the pipeline's full and empty ones (products.py)
-    FULL, EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
+    STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
     init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
@@ -62,6 +64,7 @@ def hopper_dq_kernel_function(config, spec):
     pack_chunk = make_pack_chunk(spec.bf16)
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, ROWS, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, ROWS, BLOCK_N)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
@@ -69,22 +72,27 @@ def hopper_dq_kernel_function(config, spec):
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, q, k, v, dout, b, q_row0, q_end, k_start, k_end, h, h_kv,
-                n_begin, n_tiles):
-        """Q and dO, then each key tile's K and V, one commit group each, each announced once
-        landed (products.py)."""
+                n_begin, n_tiles, tiles, seq, m0):
+        """Q and dO, then each visited key tile's K and V, one commit group each, each
+        announced once landed (products.py)."""
         load_queries(smem_base, q, b, q_row0, h, q_end)
         load_queries(smem_base + DO_START, dout, b, q_row0, h, q_end)
         cp_async_commit()
         landed = bars  # (Q and dO's barrier first)
-        for j in range(n_tiles):
+        j = 0  # the visited tiles so far (the stages count them)
+        for tile in range(n_tiles):
+            n0 = n_begin + tile * BLOCK_N
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
             s = j % STAGES
-            row0 = k_start + n_begin + j * BLOCK_N
-            mbarrier_wait(bars + EMPTY + 8 * s, free_parity(j, STAGES))
+            row0 = k_start + n0
+            mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
             load_keys(smem_base + K_START + s * KV_TILE, k, b, row0, h_kv, k_end)
             load_keys(smem_base + V_START + s * KV_TILE, v, b, row0, h_kv, k_end)
             cp_async_commit()
             announce_previous(landed)
-            landed = bars + FULL + 8 * s
+            landed = bars + STAGE_FULL + 8 * s
+            j += 1
         announce_all(landed)
 
     def flash_bwd_dq_hopper(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale,
@@ -99,7 +107,9 @@ def hopper_dq_kernel_function(config, spec):
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence; the whole block leaves)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // ROWS, n_begin, n_end, BLOCK_N)
         n_tiles = max(0, n_end - n_begin + BLOCK_N - 1) // BLOCK_N
 
         smem = cuda.shared.array(0, uint16)  # dynamic: Q, dO, K and V tiles
@@ -113,7 +123,7 @@ def hopper_dq_kernel_function(config, spec):
         if warpgroup == 0:
             setmaxnreg_dec(PRODUCER_REGISTERS)
             produce(smem_base, bars, q, k, v, dout, b, q_start + m0, q_start + seqlen_q,
-                    k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles)
+                    k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1
@@ -139,12 +149,16 @@ def hopper_dq_kernel_function(config, spec):
                     dq_acc[0, db, r] = ZERO
             q_rows = smem_base + 64 * consumer * ROW_BYTES  # (this consumer's Q rows)
             mbarrier_wait(bars, 0)  # Q and dO have landed
-            for j in range(n_tiles):
+            j = 0  # the visited tiles so far (as the producer counts them)
+            for tile in range(n_tiles):
+                n0 = n_begin + tile * BLOCK_N
+                kind = mod_class(tiles, seq, h, m0, n0)
+                if kind == EMPTY:  # (no query sees a key of it: mask_mod only)
+                    continue
                 stage = j % STAGES
-                n0 = n_begin + j * BLOCK_N
                 k_tile = smem_base + K_START + stage * KV_TILE
                 v_tile = smem_base + V_START + stage * KV_TILE
-                mbarrier_wait(bars + FULL + 8 * stage, full_parity(j, STAGES))
+                mbarrier_wait(bars + STAGE_FULL + 8 * stage, full_parity(j, STAGES))
 
                 # Scores: S = Q Kᵀ and dP = dO Vᵀ, 64 queries x BLOCK_N keys. (The Q and dO
                 # descriptors are made again each tile, from an address the compiler cannot
@@ -164,7 +178,8 @@ def hopper_dq_kernel_function(config, spec):
                 fence_scores(dp)
 
                 # P = exp2(S - lse) and dS = P (dP - D), the mask on partial tiles.
-                row_gradients(s, dp, row_lo, n0, is_partial(m0, n0, seqlen_q, seqlen_k),
+                row_gradients(s, dp, row_lo, n0,
+                              is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL,
                               lse_lo, lse_hi, delta_lo, delta_hi, tile_scale, pre, slope,
                               offset, seqlen_k, mask_at)
                 for kc in range(KC):
@@ -179,7 +194,8 @@ def hopper_dq_kernel_function(config, spec):
                 wgmma_wait(0)
                 fence_acc(dq_acc)
                 if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + EMPTY + 8 * stage)  # the stage is read
+                    mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
+                j += 1
 
             # Epilogue: one write of dQ (times the softmax scale).
             store(dq, dq_acc, 0, b, q_start + row_lo, h, 0, q_start + seqlen_q, softmax_scale,

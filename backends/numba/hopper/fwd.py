@@ -18,8 +18,11 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     P packed to 16 bits in registers as wgmma's A fragments; O += P V by BLOCK_N/16 products
     with A from registers and V MN-major; the V stage freed. O and lse leave from registers.
   - Tiles wholly masked are not visited (device/block_range.py), the mask runs on partial
-    tiles only; GQA: the block of query head h reads key/value head h // group; varlen:
-    grid.z runs over the packed sequences (device/sequence.py).
+    tiles only; a mask_mod's tile table (device/mask_mod.py) narrows the key range, and the
+    tiles inside it that no row sees are neither copied nor computed (the producer and the
+    consumers skip the same ones, so the pipeline's stages count visited tiles); GQA: the
+    block of query head h reads key/value head h // group; varlen: grid.z runs over the
+    packed sequences (device/sequence.py).
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
 float32.
 """
@@ -28,12 +31,13 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import make_block_range
+from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
 from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor, make_fence_operands,
                                  mbarrier_arrive, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
                                  shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize
@@ -76,6 +80,7 @@ def hopper_forward_kernel_function(config, spec):
     pack_chunk = make_pack_chunk(spec.bf16)
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
@@ -83,16 +88,21 @@ def hopper_forward_kernel_function(config, spec):
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, q, k, v, b, q_row0, q_end, k_start, k_end, h, h_kv, n_begin,
-                n_tiles):
-        """The producer warpgroup: Q, then each key tile's K and V, one commit group each.
-        After issuing a group it waits for the one before (cp.async completes in order),
-        fences it for the async proxy and announces it: two groups in flight per thread."""
+                n_tiles, tiles, seq, m0):
+        """The producer warpgroup: Q, then each visited key tile's K and V, one commit group
+        each. After issuing a group it waits for the one before (cp.async completes in
+        order), fences it for the async proxy and announces it: two groups in flight per
+        thread."""
         load_q(smem_base, q, b, q_row0, h, q_end)
         cp_async_commit()
         landed = bars  # the barrier of the group before the newest: Q's first
-        for j in range(n_tiles):
+        j = 0  # the visited tiles so far (the stages count them)
+        for tile in range(n_tiles):
+            n0 = n_begin + tile * BLOCK_N
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
             s = j % STAGES
-            row0 = k_start + n_begin + j * BLOCK_N
+            row0 = k_start + n0
             mbarrier_wait(bars + K_EMPTY + 8 * s, free_parity(j, STAGES))
             load_kv(smem_base + K_START + s * KV_BYTES, k, b, row0, h_kv, k_end)
             cp_async_commit()
@@ -102,6 +112,7 @@ def hopper_forward_kernel_function(config, spec):
             cp_async_commit()
             announce_previous(bars + K_FULL + 8 * s)
             landed = bars + V_FULL + 8 * s
+            j += 1
         announce_all(landed)
 
     def flash_forward_hopper(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
@@ -115,7 +126,9 @@ def hopper_forward_kernel_function(config, spec):
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence; the whole block leaves)
+        tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        n_begin, n_end = narrow(tiles, seq, h, m0 // BLOCK_M, n_begin, n_end, BLOCK_N)
         n_tiles = max(0, n_end - n_begin + BLOCK_N - 1) // BLOCK_N
 
         smem = cuda.shared.array(0, uint16)  # dynamic: Q, K and V tiles
@@ -129,7 +142,7 @@ def hopper_forward_kernel_function(config, spec):
         if warpgroup == 0:
             setmaxnreg_dec(PRODUCER_REGISTERS)
             produce(smem_base, bars, q, k, v, b, q_start + m0, q_start + seqlen_q, k_start,
-                    k_start + seqlen_k, h, h_kv, n_begin, n_tiles)
+                    k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1
@@ -155,10 +168,14 @@ def hopper_forward_kernel_function(config, spec):
             q_desc = make_descriptor(smem_base + 64 * consumer * ROW_BYTES, K_MAJOR_LEADING,
                                      ATOM_BYTES)
             mbarrier_wait(bars, 0)  # the Q tile has landed
-            for j in range(n_tiles):
+            j = 0  # the visited tiles so far (as the producer counts them)
+            for tile in range(n_tiles):
+                n0 = n_begin + tile * BLOCK_N
+                kind = mod_class(tiles, seq, h, m0, n0)
+                if kind == EMPTY:  # (no row sees a key of it: mask_mod only)
+                    continue
                 stage = j % STAGES
                 phase = full_parity(j, STAGES)
-                n0 = n_begin + j * BLOCK_N
                 k_desc = make_descriptor(smem_base + K_START + stage * KV_BYTES,
                                          K_MAJOR_LEADING, ATOM_BYTES)
 
@@ -174,7 +191,7 @@ def hopper_forward_kernel_function(config, spec):
                     mbarrier_arrive(bars + K_EMPTY + 8 * stage)  # the K stage is read
 
                 # Mask, score mod and online softmax; P in place of S, O rescaled.
-                partial = is_partial(m0, n0, seqlen_q, seqlen_k)
+                partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
                 softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope,
                              offset, seqlen_k, mask_at)
                 for kc in range(KC):
@@ -191,6 +208,7 @@ def hopper_forward_kernel_function(config, spec):
                 fence_out(acc)
                 if tid % WARPGROUP == 0:
                     mbarrier_arrive(bars + V_EMPTY + 8 * stage)  # the V stage is read
+                j += 1
 
             # Epilogue: row sums over the 4 lanes; out = acc / l; lse = m + log(l).
             inv_l = cuda.local.array(2, float32)
@@ -212,16 +230,19 @@ def hopper_forward_kernel(config, spec):
     function = hopper_forward_kernel_function(config, spec)
     if SIMULATED:  # (the simulator takes no launch bounds)
         return cuda.jit(function)
-    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs
-    return cuda.jit(function, cache=True, launch_bounds=(config.threads, 1))
+    # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs; no disk
+    # cache with a mask_mod (its key would not see mask_mod's code)
+    return cuda.jit(function, cache=spec.mask_mod is None, launch_bounds=(config.threads, 1))
 
 
-def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None):
+def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None,
+                          tiles=None):
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
-    cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras). `config` overrides
-    hopper_forward_config (tests, tuning)."""
+    cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
+    tile tables (tile_classes.py). `config` overrides hopper_forward_config (tests,
+    tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
@@ -232,4 +253,4 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     launch(kernel, grid, config.threads, stream, hopper_forward_shared_bytes(config, head_dim),
            q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras,
-           *tile_arguments(None, lse, config.block_m, config.block_n))
+           *tile_arguments(tiles, lse, config.block_m, config.block_n))

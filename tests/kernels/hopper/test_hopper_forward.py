@@ -6,6 +6,7 @@ tests/variants/test_gpu_variants.py, whose "numba" takes this kernel there)."""
 import numpy as np
 import pytest
 from mma_cases import run_forward
+from mask_mods import document_mask, gapped_mask
 
 from numba_flash.backends.numba.hopper.config import HopperConfig
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
@@ -24,6 +25,15 @@ SIMULATOR_CASES = [
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
 ]
 
+# masks: a boolean attn_mask (every tile partial) and mask_mods, one whose tile table leaves an
+# empty key tile inside the key range (and a query tile that sees no key); float masks share
+# the score mod's code with ALiBi (and run in the GPU variant suite)
+MASK_CASES = [
+    ((1, 70, 90, 2, 64), 1, True, "float16", 32, dict(attn_mask="bool")),
+    ((1, 70, 100, 1, 64), None, False, "float16", 32, dict(mask_mod=gapped_mask, softcap=2.0)),
+    ((1, 80, 80, 2, 64), 1, True, "bfloat16", 32, dict(mask_mod=document_mask)),
+]
+
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
               (1, 1500, 700, 4, 128), (1, 600, 900, 4, 256)]
 
@@ -33,6 +43,15 @@ GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4,
                               for c in SIMULATOR_CASES])
 def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, block_n,
                                          options):
+    run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
+                launch=launch_hopper_forward, **options)
+
+
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, block_n, options", MASK_CASES,
+                         ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-"
+                              f"{'-'.join(map(str, c[5].values()))}"[:60] for c in MASK_CASES])
+def test_hopper_forward_with_masks_in_the_simulator(rng, shape, kv_heads, causal, dtype,
+                                                    block_n, options):
     run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
                 launch=launch_hopper_forward, **options)
 
