@@ -6,7 +6,7 @@
                                                      #   varlen, attention masks, mask_mod
     python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
-    python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) forward (sm_90)
+    python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) kernels (sm_90)
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -67,13 +67,17 @@ def sanitize(numba_flash, cp, torch):
     return True
 
 
-def sanitize_variants(numba_flash, cp, torch, masks_only=False):
-    """The variants' kernels at odd sizes, every engine: GQA with a window, softcap and ALiBi
-    at once, varlen (sequences without queries or keys among them), and attention masks (a
-    boolean key padding mask, a float mask per head broadcast over the batch; at d64 for
-    SIMT float32 and tensor-core bfloat16, a document mask_mod over a CuPy array, alone and
-    through a block mask), each call twice
-    (the second a replay); with masks_only, the masked calls alone."""
+VARIANT_ENGINES = (("numba-simt", "float32"), ("numba-simt", "float16"),
+                   ("numba-mma", "float16"), ("numba-mma", "bfloat16"))
+
+
+def sanitize_variants(numba_flash, cp, torch, masks_only=False, engines=VARIANT_ENGINES):
+    """The variants' kernels at odd sizes, through each (backend, dtype) of `engines`: GQA
+    with a window, softcap and ALiBi at once, varlen (sequences without queries or keys among
+    them), and attention masks (a boolean key padding mask, a float mask per head broadcast
+    over the batch; at d64 for float32 and bfloat16, a document mask_mod over a CuPy array,
+    alone and through a block mask), each call twice (the second a replay); with masks_only,
+    the masked calls alone."""
     rng = np.random.default_rng(1)
     lengths = [(37, 20), (0, 9), (70, 81), (5, 0)]
     cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
@@ -81,8 +85,7 @@ def sanitize_variants(numba_flash, cp, torch, masks_only=False):
     varlen = (cu_q, cu_k, *(max(side) for side in zip(*lengths)))
     calls = 0
     total_q, total_k = (int(cu[-1]) for cu in (cu_q, cu_k))
-    for backend, dtype in (("numba-simt", "float32"), ("numba-simt", "float16"),
-                           ("numba-mma", "float16"), ("numba-mma", "bfloat16")):
+    for backend, dtype in engines:
         for head_dim in (64, 128):
             q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, head_dim), dtype)
             packed = [x[0] for x in _arrays(cp, torch, rng, (1, total_q, total_k, 2, head_dim),
@@ -136,20 +139,17 @@ def sanitize_masks(numba_flash, cp, torch):
 
 
 def sanitize_hopper(numba_flash, cp, torch):
-    """The Hopper forward (numba-hopper; its backward is the tensor cores') at SANITIZE_SHAPES
-    (D 200 runs padded to 256), float16 and bfloat16, causal and not, and with GQA, a
-    window, softcap and ALiBi at once and varlen (sequences without queries or keys), each
-    call twice (the second a replay). Skipped on GPUs other than sm_90."""
+    """The Hopper kernels (numba-hopper: the wgmma forward, and backward up to D 128) at
+    SANITIZE_SHAPES (D 200 runs padded to 256, its backward on the tensor cores), float16
+    and bfloat16, causal and not, each call twice (the second a replay); then
+    sanitize-variants' calls through them (GQA with a window, softcap and ALiBi, varlen,
+    attention masks, mask_mods). Skipped on GPUs other than sm_90."""
     from numba import cuda
     if tuple(cuda.get_current_device().compute_capability) != (9, 0):
         print("sanitize-hopper: not an sm_90 GPU, nothing run")
         return True
     rng = np.random.default_rng(4)
     calls = 0
-    lengths = [(37, 20), (0, 9), (130, 141), (5, 0)]
-    cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
-                  for side in zip(*lengths))
-    varlen = (cu_q, cu_k, *(max(side) for side in zip(*lengths)))
     for dtype in ("float16", "bfloat16"):
         for shape in SANITIZE_SHAPES:
             q, k, v, dout = _arrays(cp, torch, rng, shape, dtype)
@@ -159,23 +159,10 @@ def sanitize_hopper(numba_flash, cp, torch):
                     numba_flash.backward(dout, q, k, v, out, lse, causal=causal,
                                          backend="numba-hopper")
                     calls += 2
-        q, k, v, _ = _arrays(cp, torch, rng, (2, 145, 161, 4, 128), dtype)
-        k, v = (x[:, :, :1].contiguous() if dtype == "bfloat16" else
-                cp.ascontiguousarray(x[:, :, :1]) for x in (k, v))
-        slopes = cp.asarray(rng.uniform(0.05, 0.5, (2, 4)), cp.float32)
-        if dtype == "bfloat16":
-            slopes = torch.from_dlpack(slopes)
-        packed = [x[0] for x in _arrays(cp, torch, rng, (1, int(cu_q[-1]), int(cu_k[-1]), 2,
-                                                         64), dtype)]
-        for _ in range(2):
-            numba_flash.forward(q, k, v, causal=True, window_size=(70, -1), softcap=5.0,
-                                alibi_slopes=slopes, backend="numba-hopper")
-            numba_flash.forward_varlen(*packed[:3], *varlen, causal=True,
-                                       backend="numba-hopper")
-            calls += 2
     cp.cuda.Device().synchronize()
     print(f"sanitize-hopper: {calls} calls done")
-    return True
+    hopper = (("numba-hopper", "float16"), ("numba-hopper", "bfloat16"))
+    return sanitize_variants(numba_flash, cp, torch, engines=hopper)
 
 
 def sanitize_kvcache(numba_flash, cp, torch):

@@ -3,10 +3,9 @@
 Each backend holds engines, one per kernel family, in order of preference, and runs a call on
 the first engine whose `reason(spec, q, k, v)` is None:
   - "numba": the Hopper engine (hopper/: wgmma, float16 and bfloat16 on compute capability
-    9.0; its backward on the tensor-core engine's kernels until the wgmma backward, which
-    "numba-hopper" takes, has been measured on a GPU), else the tensor-core
-    engine (mma/: float16 and bfloat16 on compute capability 8.0 or newer), else the SIMT
-    engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
+    9.0; the backward of head dims above 128 on the tensor-core engine's kernels), else the
+    tensor-core engine (mma/: float16 and bfloat16 on compute capability 8.0 or newer), else
+    the SIMT engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
   - "numba-hopper", "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks
     and tests).
 numba_flash.forward_kvcache runs on the split-KV decode kernels (decode/) on "numba" and
@@ -193,7 +192,7 @@ class NumbaHopperBackend(NumbaBackend):
     name = "numba-hopper"
     dtypes = ("float16", "bfloat16")
     engines = (HopperEngine(backward_engine=MmaEngine(run_in_simulator=True),
-                            run_in_simulator=True, wgmma_backward=True),)
+                            run_in_simulator=True),)
     decode = None
 
 

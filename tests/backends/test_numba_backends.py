@@ -63,14 +63,13 @@ def test_numba_picks_wgmma_on_sm90_and_mma_sync_on_other_gpus_from_sm80(rng, on_
     assert chosen is None and "need compute capability 9.0; this GPU has 10.0" in reason
 
 
-def test_the_hopper_engine_leaves_masks_to_the_tensor_core_engine(rng, on_a_gpu):
+def test_the_hopper_engine_takes_masks(rng, on_a_gpu):
     on_a_gpu((9, 0))
     q, _, _ = random_qkv(rng, 1, 4, 4, 1, 64, "float16")
-    spec = make_spec(q, attn_mask="bool")
-    chosen, reason = numba_flash.get_backend("numba").engine(spec, q, q, q)
-    assert chosen.name == MMA
-    chosen, reason = numba_flash.get_backend("numba-hopper").engine(spec, q, q, q)
-    assert chosen is None and "do not read an attn_mask or a mask_mod yet" in reason
+    for spec in (make_spec(q, attn_mask="bool"), make_spec(q, mask_mod=lambda b, h, i, j: i >= j)):
+        for backend in ("numba", "numba-hopper"):
+            chosen, reason = numba_flash.get_backend(backend).engine(spec, q, q, q)
+            assert chosen.name == HOPPER and reason is None
 
 
 def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):
@@ -172,8 +171,8 @@ def test_16_bit_inputs_through_the_api(rng, poisoned_outputs, backend, shape, dt
 
 def test_the_hopper_engine_hands_backwards_it_has_no_kernels_for_to_its_backward_engine(
         rng, monkeypatch):
-    """Head dims above 128 (no wgmma backward config; here every head dim, patched) and the
-    engine of "numba" (wgmma_backward=False) run the backward on the mma.sync kernels."""
+    """Head dims above 128 (no wgmma backward config; here every head dim, patched) run the
+    backward on the mma.sync kernels."""
     engine = numba_flash.get_backend("numba-hopper").engines[0]
     called = []
     original = engine.backward_engine.backward
@@ -195,4 +194,3 @@ def test_the_hopper_engine_hands_backwards_it_has_no_kernels_for_to_its_backward
                              _host(lse), spec, "float16")
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, _host(got), base, ref, "float16")
-    assert numba_flash.get_backend("numba").engines[0].wgmma_backward is False

@@ -146,13 +146,17 @@ def _spec(q, k, options, extras, **varlen):
                         if key not in ("alibi_slopes", "attn_mask", "mask_mod", "block_mask")})
 
 
-# ("numba" runs 16-bit forwards on the Hopper kernels on an sm_90 GPU: "numba-mma" keeps the
-# mma.sync forward in the suite there)
+# (on an sm_90 GPU "numba" runs 16-bit calls on the Hopper kernels: "numba-mma" keeps the
+# mma.sync kernels in the suite there; "numba-hopper" is skipped elsewhere)
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
                                             ("numba", "float32"), ("numba-mma", "float16"),
+                                            ("numba-hopper", "float16"),
+                                            ("numba-hopper", "bfloat16"),
                                             ("numba-simt", "float16"), ("cupy", "float16")])
 @pytest.mark.parametrize("name, shape, options", CASES, ids=IDS)
 def test_variants_on_gpu(cp, rng, name, shape, options, backend, dtype):
+    if backend == "numba-hopper" and cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper kernels need compute capability 9.0")
     values = _values(cp, rng, shape, dtype)
     q, k, v, dout = values
     arrays = _as(values, dtype)

@@ -2,10 +2,8 @@
 head dims up to 256 (run padded to 64, 128 or 256).
 
 Its forward is the Hopper forward (fwd.py). Its backward is the Hopper backward (bwd.py:
-head dims up to 128) when the engine is made with wgmma_backward=True, else, and for larger
-head dims, another engine's: the backend hands it one (the tensor-core engine's mma.sync
-kernels, which read the same out and lse). "numba-hopper" takes the wgmma backward; "numba"
-keeps the mma.sync one until the wgmma backward has been measured on a GPU.
+head dims up to 128), and for larger head dims another engine's: the backend hands it one
+(the tensor-core engine's mma.sync kernels, which read the same out and lse).
 
 Under the simulator the kernels run through the intrinsics' Python twins, slowly: only an
 engine made with run_in_simulator=True (the "numba-hopper" backend's) takes calls there.
@@ -15,6 +13,7 @@ from numba_flash import _arrays
 from .. import marshal
 from ..engine import Engine
 from ..gpu import compute_capability, simulator_enabled
+from ..tile_classes import call_tiles
 from .bwd import launch_hopper_backward
 from .config import hopper_backward_config, hopper_forward_config
 from .fwd import launch_hopper_forward
@@ -34,10 +33,9 @@ def hopper_head_dim(head_dim):
 class HopperEngine(Engine):
     name = "Hopper (wgmma)"
 
-    def __init__(self, backward_engine, run_in_simulator=False, wgmma_backward=False):
+    def __init__(self, backward_engine, run_in_simulator=False):
         self.backward_engine = backward_engine
         self.run_in_simulator = run_in_simulator
-        self.wgmma_backward = wgmma_backward
 
     def reason(self, spec, q, k, v):
         if spec.dtype not in DTYPES:
@@ -45,8 +43,6 @@ class HopperEngine(Engine):
         head_dim = hopper_head_dim(spec.head_dim)
         if head_dim is None or hopper_forward_config(head_dim) is None:
             return f"the Hopper kernels cover headdim <= 256, not {spec.head_dim}"
-        if spec.attn_mask is not None or spec.mask_mod is not None:
-            return "the Hopper kernels do not read an attn_mask or a mask_mod yet"
         if simulator_enabled():
             if not self.run_in_simulator:
                 return ("under the CUDA simulator only backend 'numba-hopper' runs the Hopper "
@@ -64,14 +60,16 @@ class HopperEngine(Engine):
                   for x in (q, k, v)]
         out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
         lse_view = marshal.view(lse)
-        launch_hopper_forward(spec, *inputs, out_view, lse_view, stream,
-                              extras=marshal.kernel_extras(spec, extras, *inputs[:2], lse_view))
+        kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
+        launch_hopper_forward(spec, *inputs, out_view, lse_view, stream, extras=kernel_extras,
+                              tiles=call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc,
+                                               stream))
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 
     def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         head_dim = hopper_head_dim(spec.head_dim)
-        if not (self.wgmma_backward and hopper_backward_config(head_dim)):
+        if not hopper_backward_config(head_dim):
             self.backward_engine.backward(spec, dout, q, k, v, out, lse, delta, grads, alloc,
                                           stream, extras)
             return
@@ -79,10 +77,12 @@ class HopperEngine(Engine):
                   for x in (dout, q, k, v, out)]
         outputs = [marshal.tile_ready_output(g, alloc, head_dim) for g in grads]
         lse_view = marshal.view(lse)
+        kernel_extras = marshal.kernel_extras(spec, extras, *inputs[1:3], lse_view)
         launch_hopper_backward(spec, *inputs, lse_view, marshal.view(delta),
                                *(kernel_view for kernel_view, _ in outputs), stream,
-                               extras=marshal.kernel_extras(spec, extras, *inputs[1:3],
-                                                            lse_view))
+                               extras=kernel_extras,
+                               tiles=call_tiles(spec, extras, kernel_extras, *inputs[1:3],
+                                                alloc, stream))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)
