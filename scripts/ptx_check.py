@@ -12,7 +12,7 @@ may have on the target, OPT_IN_SHARED_BYTES).
     python scripts/ptx_check.py --cc 80 90 [--variants]
     python scripts/ptx_check.py --hopper [--variants]
 
---hopper builds, instead, the Hopper (wgmma) family's forward for sm_90a, with the launch
+--hopper builds, instead, the Hopper (wgmma) family's kernels for sm_90a, with the launch
 bounds the family compiles with (setmaxnreg needs them); any ptxas warning counts as a
 failure there (C7508: register reallocation ignored; C7515: wgmma serialised).
 --variants builds, instead, per head dim and dtype the kernels of a spec with every variant at
@@ -239,22 +239,19 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
     """The Hopper family's forward and backward (dK/dV, dQ) for every head dim they have a
-    config for, as _specs gives them but the masked ones (the engine leaves attention masks
-    to the mma.sync family), with (dynamic shared bytes, launch bounds)."""
+    config for, as _specs gives them, with (dynamic shared bytes, launch bounds)."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
-        config = hopper_forward_config(head_dim)
-        if config is None:
-            continue
         for dtype in dtypes:
             for kind, spec, extras in _specs(head_dim, dtype, variants):
-                if spec.attn_mask is not None or spec.mask_mod is not None:
+                config = hopper_forward_config(head_dim, spec)
+                if config is None:
                     continue
                 tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
                 yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
                        hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
-                backward = hopper_backward_config(head_dim)
+                backward = hopper_backward_config(head_dim, spec)
                 if backward is None:
                     continue
                 f3 = "float32[:, :, :]"

@@ -182,7 +182,7 @@ def test_the_hopper_engine_hands_backwards_it_has_no_kernels_for_to_its_backward
     out, lse = numba_flash.forward(q, k, v, backend="numba-hopper")
     numba_flash.backward(q, q, k, v, out, lse, backend="numba-hopper")
     assert called == []  # (the wgmma backward)
-    monkeypatch.setattr(hopper_engine, "hopper_backward_config", lambda head_dim: None)
+    monkeypatch.setattr(hopper_engine, "hopper_backward_config", lambda head_dim, spec: None)
     grads = numba_flash.backward(q, q, k, v, out, lse, backend="numba-hopper")
     assert called == [1]
     spec = make_spec(q)

@@ -40,7 +40,7 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
     seqlen_k, _ = grid_extent(spec, k, extras[2], 1)
-    config = config or hopper_backward_config(head_dim)
+    config = config or hopper_backward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper backward config for head_dim {head_dim}")
     dk_dv_kernel, dq_kernel = hopper_backward_kernels(config, spec.for_kernels(head_dim=head_dim))

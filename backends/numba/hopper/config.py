@@ -58,6 +58,14 @@ _HOPPER_FORWARD = (
     (128, HopperConfig(block_n=128)),
     (256, HopperConfig(block_n=64)),
 )
+#: with an attn_mask or a mask_mod (read element by element on partial tiles, on top of every
+#: other variant): the tiles at which no kernel spills (scripts/ptx_check.py --hopper
+#: --variants; the plain table's spilled up to 232 bytes, or kept the scores in local memory).
+#: At d256 they would be 16 keys wide: those calls go to the mma.sync kernels.
+_HOPPER_FORWARD_MASKED = (
+    (64, HopperConfig(block_n=64)),
+    (128, HopperConfig(block_n=32)),
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,12 @@ class HopperBackwardConfig(_Roles):
 _HOPPER_BACKWARD = (
     (64, HopperBackwardConfig(block_m=64, block_n=64)),
     (128, HopperBackwardConfig(block_m=32, block_n=64)),
+)
+#: with an attn_mask or a mask_mod (as _HOPPER_FORWARD_MASKED; the plain table's dK/dV spilled
+#: up to 456 bytes, its dQ 112)
+_HOPPER_BACKWARD_MASKED = (
+    (64, HopperBackwardConfig(block_m=32, block_n=64)),
+    (128, HopperBackwardConfig(block_m=16, block_n=32)),
 )
 
 
@@ -106,11 +120,18 @@ def hopper_backward_shared_bytes(config, head_dim):
             fixed + 2 * config.stages * tile_bytes(config.block_n, head_dim))
 
 
-def hopper_backward_config(head_dim):
-    """The Hopper backward's config for head_dim (64 or 128), or None."""
-    return None if head_dim % 16 else lookup(_HOPPER_BACKWARD, head_dim)
+def _masked(spec):
+    return spec is not None and (spec.attn_mask is not None or spec.mask_mod is not None)
 
 
-def hopper_forward_config(head_dim):
-    """The Hopper forward's config for head_dim (a multiple of 16), or None."""
-    return None if head_dim % 16 else lookup(_HOPPER_FORWARD, head_dim)
+def hopper_backward_config(head_dim, spec=None):
+    """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None."""
+    table = _HOPPER_BACKWARD_MASKED if _masked(spec) else _HOPPER_BACKWARD
+    return None if head_dim % 16 else lookup(table, head_dim)
+
+
+def hopper_forward_config(head_dim, spec=None):
+    """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
+    None."""
+    table = _HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
+    return None if head_dim % 16 else lookup(table, head_dim)

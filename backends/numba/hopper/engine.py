@@ -41,8 +41,11 @@ class HopperEngine(Engine):
         if spec.dtype not in DTYPES:
             return f"the Hopper kernels take float16 or bfloat16, not {spec.dtype}"
         head_dim = hopper_head_dim(spec.head_dim)
-        if head_dim is None or hopper_forward_config(head_dim) is None:
+        if head_dim is None:
             return f"the Hopper kernels cover headdim <= 256, not {spec.head_dim}"
+        if hopper_forward_config(head_dim, spec) is None:
+            return (f"the Hopper kernels take an attn_mask or a mask_mod up to headdim 128, "
+                    f"not {spec.head_dim}")
         if simulator_enabled():
             if not self.run_in_simulator:
                 return ("under the CUDA simulator only backend 'numba-hopper' runs the Hopper "
@@ -69,7 +72,7 @@ class HopperEngine(Engine):
 
     def backward(self, spec, dout, q, k, v, out, lse, delta, grads, alloc, stream, extras):
         head_dim = hopper_head_dim(spec.head_dim)
-        if not hopper_backward_config(head_dim):
+        if not hopper_backward_config(head_dim, spec):
             self.backward_engine.backward(spec, dout, q, k, v, out, lse, delta, grads, alloc,
                                           stream, extras)
             return

@@ -246,7 +246,7 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
-    config = config or hopper_forward_config(head_dim)
+    config = config or hopper_forward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper forward config for head_dim {head_dim}")
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
