@@ -70,6 +70,12 @@ def test_the_hopper_engine_takes_masks(rng, on_a_gpu):
         for backend in ("numba", "numba-hopper"):
             chosen, reason = numba_flash.get_backend(backend).engine(spec, q, q, q)
             assert chosen.name == HOPPER and reason is None
+    wide, _, _ = random_qkv(rng, 1, 4, 4, 1, 200, "float16")  # (run at d256)
+    spec = make_spec(wide, attn_mask="bool")
+    assert numba_flash.get_backend("numba").engine(spec, wide, wide, wide)[0].name == MMA
+    chosen, reason = numba_flash.get_backend("numba-hopper").engine(spec, wide, wide, wide)
+    assert chosen is None
+    assert "take an attn_mask or a mask_mod up to headdim 128, not 200" in reason
 
 
 def test_below_sm80_float16_uses_simt_and_bfloat16_is_refused(rng, on_a_gpu):

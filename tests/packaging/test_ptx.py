@@ -119,8 +119,9 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
             for dtype in ("f16", "bf16"):
                 assert f"hopper_bwd_{kind}_d{head_dim}_causal_{dtype}" in found
             assert found[f"hopper_bwd_{kind}_d{head_dim}_full_f16"]["wgmma.mma_async"] > 0
-    assert "hopper_forward_d128_variants_bf16" in found
-    assert "hopper_bwd_dk_dv_d128_variants_bf16" in found
+    for variants in ("variants", "masked", "mask_mod"):  # (masks: their smaller tiles)
+        for kernel in ("forward", "bwd_dk_dv", "bwd_dq"):
+            assert f"hopper_{kernel}_d128_{variants}_bf16" in found
     for name, r in found.items():
         assert r["setmaxnreg"] == 2 and r["mbarrier.try_wait"] > 0 and r["cp.async.cg"] > 0, r
         assert r["ptxas_warnings"] == [], (name, r["ptxas_warnings"])
