@@ -18,7 +18,8 @@ def striped_mask(b, h, q_idx, kv_idx):
 
 
 def gapped_mask(b, h, q_idx, kv_idx):
-    """Hides key tile 1 + h of 32 keys from every query (an empty tile inside each query
-    tile's key range) and query tile 1 of 32 rows from every key (an empty query tile inside
-    each key tile's range; rows that see no key)."""
-    return kv_idx // 32 != 1 + h and q_idx // 32 != 1
+    """Hides key tile 1 + h of 32 keys from every query (an empty key tile inside each query
+    tile's range, another one per head: a kernel that asks with the wrong head of a GQA group
+    skips the wrong tile), query tile 1 of 32 rows from every key (an empty query tile inside
+    each key tile's range), and the queries from 128 on (a 128-row tile that sees no key)."""
+    return kv_idx // 32 != 1 + h and q_idx // 32 != 1 and q_idx < 128

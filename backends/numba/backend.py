@@ -3,7 +3,8 @@
 Each backend holds engines, one per kernel family, in order of preference, and runs a call on
 the first engine whose `reason(spec, q, k, v)` is None:
   - "numba": the Hopper engine (hopper/: wgmma, float16 and bfloat16 on compute capability
-    9.0; the backward of head dims above 128 on the tensor-core engine's kernels), else the
+    9.0; the backward of head dims above 128 on the tensor-core engine's kernels; calls with
+    an attn_mask or a mask_mod above head dim 128 not taken), else the
     tensor-core engine (mma/: float16 and bfloat16 on compute capability 8.0 or newer), else
     the SIMT engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
   - "numba-hopper", "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks

@@ -121,16 +121,16 @@ def hopper_backward_shared_bytes(config, head_dim):
 
 
 def _masked(spec):
-    return spec is not None and (spec.attn_mask is not None or spec.mask_mod is not None)
+    return spec.attn_mask is not None or spec.mask_mod is not None
 
 
-def hopper_backward_config(head_dim, spec=None):
+def hopper_backward_config(head_dim, spec):
     """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None."""
     table = _HOPPER_BACKWARD_MASKED if _masked(spec) else _HOPPER_BACKWARD
     return None if head_dim % 16 else lookup(table, head_dim)
 
 
-def hopper_forward_config(head_dim, spec=None):
+def hopper_forward_config(head_dim, spec):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
     None."""
     table = _HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD

@@ -1,5 +1,6 @@
 """The Hopper engine: wgmma kernels for float16 and bfloat16 on compute capability 9.0 (sm_90a),
-head dims up to 256 (run padded to 64, 128 or 256).
+head dims up to 256 (run padded to 64, 128 or 256), up to 128 with an attn_mask or a mask_mod
+(config.py: their tiles would be too small above).
 
 Its forward is the Hopper forward (fwd.py). Its backward is the Hopper backward (bwd.py:
 head dims up to 128), and for larger head dims another engine's: the backend hands it one

@@ -23,8 +23,9 @@ SIMULATOR_CASES = [
 # masks: a mask_mod whose tile tables leave an empty tile inside the ranges of both kernels
 # (the other masks' code is the forward's, tests/kernels/hopper/test_hopper_forward.py, and
 # the tensor-core backward's; all of them run through these kernels in the GPU variant suite)
-MASK_CASES = [  # (16-query tiles for dK/dV, as the masked d128 config's)
-    ((1, 70, 70, 1, 64), None, False, "float16", HopperBackwardConfig(16, 32),
+MASK_CASES = [  # (16-query tiles for dK/dV, as the masked d128 config's; GQA: each query
+    #              head of the group its own empty key tile)
+    ((1, 130, 100, 2, 64), 1, False, "float16", HopperBackwardConfig(16, 32),
      dict(mask_mod=gapped_mask, softcap=2.0)),
 ]
 
@@ -43,7 +44,8 @@ def test_hopper_backward_in_the_simulator(rng, shape, kv_heads, causal, dtype, c
 
 @pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", MASK_CASES,
                          ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-"
-                              f"{'-'.join(map(str, c[5].values()))}"[:60] for c in MASK_CASES])
+                              f"{'-'.join(getattr(x, '__name__', str(x)) for x in c[5].values())}"
+                              for c in MASK_CASES])
 def test_hopper_backward_with_masks_in_the_simulator(rng, shape, kv_heads, causal, dtype,
                                                      config, options):
     run_backward(rng, shape, causal, dtype, config, kv_heads, launch=launch_hopper_backward,

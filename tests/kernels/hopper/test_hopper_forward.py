@@ -25,13 +25,14 @@ SIMULATOR_CASES = [
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
 ]
 
-# masks: a boolean attn_mask (every tile partial) and mask_mods, one whose tile table leaves an
-# empty key tile inside the key range (and a query tile that sees no key); float masks share
-# the score mod's code with ALiBi (and run in the GPU variant suite)
+# masks: a boolean attn_mask (every tile partial) and mask_mods, gapped_mask's tile table
+# leaving an empty key tile inside each head's key range (GQA: a different one per head) and
+# a query tile with no key at all; float masks share the score mod's code with ALiBi (and run
+# in the GPU variant suite)
 MASK_CASES = [
     ((1, 70, 90, 2, 64), 1, True, "float16", 32, dict(attn_mask="bool")),
-    ((1, 70, 100, 1, 64), None, False, "float16", 32, dict(mask_mod=gapped_mask, softcap=2.0)),
-    ((1, 80, 80, 2, 64), 1, True, "bfloat16", 32, dict(mask_mod=document_mask)),
+    ((1, 130, 100, 2, 64), 1, False, "float16", 32, dict(mask_mod=gapped_mask, softcap=2.0)),
+    ((1, 80, 80, 1, 64), None, True, "bfloat16", 32, dict(mask_mod=document_mask)),
 ]
 
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
@@ -49,7 +50,8 @@ def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, bl
 
 @pytest.mark.parametrize("shape, kv_heads, causal, dtype, block_n, options", MASK_CASES,
                          ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-"
-                              f"{'-'.join(map(str, c[5].values()))}"[:60] for c in MASK_CASES])
+                              f"{'-'.join(getattr(x, '__name__', str(x)) for x in c[5].values())}"
+                              for c in MASK_CASES])
 def test_hopper_forward_with_masks_in_the_simulator(rng, shape, kv_heads, causal, dtype,
                                                     block_n, options):
     run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
