@@ -20,23 +20,7 @@ def pytest_configure(config):
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
-#: the files that take longest under the simulator, collected first, so that with
-#: `-n auto --dist loadfile` they start while the other workers take the many short files
-#: instead of running alone at the end (test_ptx.py compiles every kernel in subprocesses)
-LONGEST_FIRST = ("packaging/test_ptx.py", "ring/test_ring_gloo.py",
-                 "kernels/hopper/test_hopper_backward.py")
-
-
-def _collection_rank(item):
-    path = item.nodeid.split("::")[0]
-    for rank, name in enumerate(LONGEST_FIRST):
-        if path.endswith(name):
-            return rank
-    return len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_collection_rank)  # (stable: the order inside each file is kept)
     if _gpu_run(config):
         return
     skip = pytest.mark.skip(reason="needs a real CUDA GPU: run `python -m pytest -m gpu` there")

@@ -25,12 +25,11 @@ SIMULATOR_CASES = [
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
 ]
 
-# masks: a boolean attn_mask (every tile partial) and mask_mods, gapped_mask's tile table
-# leaving an empty key tile inside each head's key range (GQA: a different one per head) and
-# a query tile with no key at all; float masks share the score mod's code with ALiBi (and run
-# in the GPU variant suite)
+# masks: mask_mods, gapped_mask's tile table leaving an empty key tile inside each head's key
+# range (GQA: a different one per head) and a query tile with no key at all; attn_masks go
+# through the same shared mask and score mod as the other families' (tests/variants) and run
+# through these kernels in the GPU variant suite
 MASK_CASES = [
-    ((1, 70, 90, 2, 64), 1, True, "float16", 32, dict(attn_mask="bool")),
     ((1, 130, 100, 2, 64), 1, False, "float16", 32, dict(mask_mod=gapped_mask, softcap=2.0)),
     ((1, 80, 80, 1, 64), None, True, "bfloat16", 32, dict(mask_mod=document_mask)),
 ]
