@@ -26,7 +26,7 @@ SIMULATOR_CASES = [
 # the tensor-core backward's; all of them run through these kernels in the GPU variant suite)
 MASK_CASES = [  # (16-query tiles for dK/dV, as the masked d128 config's; GQA: each query
     #              head of the group its own empty key tile)
-    ((1, 50, 100, 2, 64), 1, False, "float16", HopperBackwardConfig(16, 32),
+    ((1, 70, 100, 2, 64), 1, False, "float16", HopperBackwardConfig(16, 32),
      dict(mask_mod=gapped_mask, softcap=2.0)),
 ]
 
