@@ -7,6 +7,7 @@ The tiles here are laid out by the test's own placement of the 128-byte swizzle
 from numba import cuda
 from numba.core.types import float32, uint16, uint64
 
+from numba_flash.backends.numba.hopper.turns import give_turn, open_turns, take_turn
 from numba_flash.backends.numba.device.intrinsics import (
     cp_async_16_from, cp_async_commit, cp_async_wait, descriptor_at, fence_mbarrier_init,
     fence_proxy_async, global_address, make_descriptor, make_fence_operands, make_wgmma,
@@ -188,6 +189,21 @@ def pipeline_kernel(src, out):
             mbarrier_arrive(empty + 8 * s)
 
 
+def turns_kernel(log, count):
+    """Two warpgroups taking turns (hopper/turns.py) log.shape[0] // 2 times each: at each
+    turn the warpgroup's first thread writes its number at the next place of the log."""
+    tid = cuda.threadIdx.x
+    consumer = tid // 128
+    turns = log.shape[0] // 2
+    open_turns(consumer)
+    for turn in range(turns):
+        take_turn(consumer)
+        if tid % 128 == 0:
+            log[count[0]] = consumer
+            count[0] += 1
+        give_turn(consumer, turn == turns - 1)
+
+
 # (kernel, PTX signature, instructions its PTX must contain), compiled for sm_90a
 PTX_CASES = [
     (make_scores_kernel(False), "(uint16[:, :], uint16[:, :], float32[:, :])",
@@ -201,4 +217,6 @@ PTX_CASES = [
       "mbarrier.arrive.shared::cta.b64", "cp.async.cg.shared.global",
       "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
       "bar.sync 1, 128"]),
+    (turns_kernel, "(int32[:], int32[:])",
+     ["bar.sync 1, 256", "bar.sync 2, 256", "bar.arrive 1, 256", "bar.arrive 2, 256"]),
 ]

@@ -1,8 +1,8 @@
 """The Hopper intrinsics (wgmma from shared-memory descriptors and from registers, the
-128-byte swizzle, mbarriers, cp.async to shared addresses, named barriers, setmaxnreg) against
-NumPy: under the simulator (their twins) and, with `-m gpu`, on an sm_90 GPU. Plus: each
-kernel compiles for sm_90a to the intended instructions, with no local memory and no ptxas
-warning."""
+128-byte swizzle, mbarriers, cp.async to shared addresses, named barriers and the consumers'
+turns, setmaxnreg) against NumPy: under the simulator (their twins) and, with `-m gpu`, on an
+sm_90 GPU. Plus: each kernel compiles for sm_90a to the intended instructions, with no local
+memory and no ptxas warning."""
 
 import hopper_kernels as kernels
 import numpy as np
@@ -71,6 +71,17 @@ def test_mbarrier_pipeline_streams_every_tile(rng, mode):
     options = {} if SIMULATED else {"launch_bounds": (256, 1)}
     cuda.jit(kernels.pipeline_kernel, **options)[1, 256, 0, shared](src, out)
     assert np.array_equal(out, src)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_warpgroups_take_turns(mode):
+    """The ping-pong's named barriers alternate the warpgroups, consumer 0 first, and leave
+    no arrival unmatched (a second launch on the same barriers runs the same)."""
+    _needs_hopper(mode)
+    for _ in range(2):
+        log, count = np.full(10, -1, np.int32), np.zeros(1, np.int32)
+        cuda.jit(kernels.turns_kernel)[1, 256](log, count)
+        assert count[0] == 10 and log.tolist() == [0, 1] * 5
 
 
 @pytest.mark.skipif(not SIMULATED, reason="on a GPU this kernel is a race")

@@ -21,7 +21,7 @@ import functools
 
 from numba import cuda
 
-from .block_range import FULL
+from .block_range import EMPTY, FULL
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,3 +74,19 @@ def make_tile_table(spec, block_m, block_n):
         return int(tiles[0][b, h, m0 // block_m, n0 // block_n])
 
     return narrow, mod_class
+
+
+@functools.lru_cache(maxsize=None)
+def make_next_key_tile(spec, block_m, block_n):
+    """next_key_tile(tiles, b, h, m0, n_begin, tile, n_tiles) -> the first key tile from
+    `tile` on (tile t starts at key n_begin + t·block_n) that some row of the query tile at
+    m0 sees, n_tiles if none: the next one a kernel that skips EMPTY tiles visits."""
+    mod_class = make_tile_table(spec, block_m, block_n)[1]
+
+    @cuda.jit(device=True, inline="always")
+    def next_key_tile(tiles, b, h, m0, n_begin, tile, n_tiles):
+        while tile < n_tiles and mod_class(tiles, b, h, m0, n_begin + tile * block_n) == EMPTY:
+            tile += 1
+        return tile
+
+    return next_key_tile

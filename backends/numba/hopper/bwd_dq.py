@@ -10,7 +10,9 @@ One block per (query tile of ROWS = 64·CONSUMERS queries, head, batch entry or 
     tile S = Q Kᵀ and dP = dO Vᵀ (products over the head dim, all tiles K-major), P and
     dS = P ∘ (dP − D) in registers (device/fragments.py, rows are queries), then dQ += dS K
     with dS packed to 16 bits as the product's A and K MN-major; then it frees the stage.
-    dQ (times the softmax scale) leaves from registers.
+    The two consumers take turns (turns.py): each issues its dQ product of one tile and its
+    S and dP of the next together while the other computes P and dS. dQ (times the softmax
+    scale) leaves from registers.
 GQA: the block of query head h reads key/value head h // group; varlen: grid.z runs over the
 packed sequences (device/sequence.py); a mask_mod's tile table (device/mask_mod.py) narrows the
 key range, and the tiles no query sees are neither copied nor computed.
@@ -26,7 +28,7 @@ from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_op
                                  mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
                                  setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
                                  wgmma_wait)
-from ..device.mask_mod import make_tile_table
+from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
@@ -35,6 +37,7 @@ from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
+from .turns import give_turn, open_turns, take_turn
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,10 +68,14 @@ def hopper_dq_kernel_function(config, spec):
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, ROWS, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, ROWS, BLOCK_N)
+    next_key_tile = make_next_key_tile(spec, ROWS, BLOCK_N)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+    # The consumers take turns (turns.py), but not with ALiBi and varlen together: their
+    # registers beside the turn's held dS spilled at d128 (scripts/ptx_check.py --variants).
+    TURNS = not (spec.alibi and spec.varlen)
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, q, k, v, dout, b, q_row0, q_end, k_start, k_end, h, h_kv,
@@ -94,6 +101,59 @@ def hopper_dq_kernel_function(config, spec):
             landed = bars + STAGE_FULL + 8 * s
             j += 1
         announce_all(landed)
+
+    @cuda.jit(device=True, inline="always")
+    def issue_scores(s, dp, q_rows, smem_base, bars, j):
+        """Issue S = Q Kᵀ and dP = dO Vᵀ of visited tile j (64 queries x BLOCK_N keys) once
+        its stage landed, and commit. (The Q and dO descriptors are made again each tile,
+        from an address the compiler cannot look through: held across the loop, each k16
+        step's took two registers.)"""
+        stage = j % STAGES
+        mbarrier_wait(bars + STAGE_FULL + 8 * stage, full_parity(j, STAGES))
+        rows = opaque(q_rows)
+        fence_scores(s)
+        fence_scores(dp)
+        wgmma_fence()
+        score_products(s, make_descriptor(rows, K_MAJOR_LEADING, ATOM_BYTES), make_descriptor(
+            smem_base + K_START + stage * KV_TILE, K_MAJOR_LEADING, ATOM_BYTES))
+        score_products(dp, make_descriptor(rows + DO_START, K_MAJOR_LEADING, ATOM_BYTES),
+                       make_descriptor(smem_base + V_START + stage * KV_TILE, K_MAJOR_LEADING,
+                                       ATOM_BYTES))
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_dq(dq_acc, ds, smem_base, j):
+        """Issue dQ += dS K of visited tile j (K MN-major), and commit."""
+        fence_acc(dq_acc)
+        fence_a(ds)
+        wgmma_fence()
+        grad_products(dq_acc, ds, smem_base + K_START + (j % STAGES) * KV_TILE)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def wait_products(s, dp, dq_acc):
+        wgmma_wait(0)
+        fence_scores(s)
+        fence_scores(dp)
+        fence_acc(dq_acc)
+
+    @cuda.jit(device=True, inline="always")
+    def free_stage(bars, tid, j):
+        if tid % WARPGROUP == 0:
+            mbarrier_arrive(bars + STAGE_EMPTY + 8 * (j % STAGES))  # the stage is read
+
+    @cuda.jit(device=True, inline="always")
+    def gradients_to_ds(s, dp, ds, row_lo, m0, n0, kind, seqlen_q, seqlen_k, stats,
+                        tile_scale, pre, slope, mask_at):
+        """P = exp2(S - lse) and dS = P (dP - D) of the tile at key n0 (kind: its mask_mod
+        class; the mask on partial tiles); dS packed to 16 bits in ds, wgmma's A fragments.
+        stats: the rows' (lse_lo, lse_hi, delta_lo, delta_hi)."""
+        lse_lo, lse_hi, delta_lo, delta_hi = stats
+        row_gradients(s, dp, row_lo, n0, is_partial(m0, n0, seqlen_q, seqlen_k)
+                      or kind == PARTIAL, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale, pre,
+                      slope, seqlen_k - seqlen_q, seqlen_k, mask_at)
+        for kc in range(KC):
+            ds[kc, 0], ds[kc, 1], ds[kc, 2], ds[kc, 3] = pack_chunk(dp, 0, kc)
 
     def flash_bwd_dq_hopper(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale,
                             alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
@@ -135,7 +195,6 @@ def hopper_dq_kernel_function(config, spec):
             lse_hi = lse_log2(lse[b, h, q_start + row_hi]) if row_hi < seqlen_q else POS_INF
             delta_lo = delta[b, h, q_start + row_lo] if row_lo < seqlen_q else ZERO
             delta_hi = delta[b, h, q_start + row_hi] if row_hi < seqlen_q else ZERO
-            offset = seqlen_k - seqlen_q
             tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
             slope = head_slope(alibi_slopes, seq, h)
             mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
@@ -149,53 +208,60 @@ def hopper_dq_kernel_function(config, spec):
                     dq_acc[0, db, r] = ZERO
             q_rows = smem_base + 64 * consumer * ROW_BYTES  # (this consumer's Q rows)
             mbarrier_wait(bars, 0)  # Q and dO have landed
-            j = 0  # the visited tiles so far (as the producer counts them)
-            for tile in range(n_tiles):
-                n0 = n_begin + tile * BLOCK_N
-                kind = mod_class(tiles, seq, h, m0, n0)
-                if kind == EMPTY:  # (no query sees a key of it: mask_mod only)
-                    continue
-                stage = j % STAGES
-                k_tile = smem_base + K_START + stage * KV_TILE
-                v_tile = smem_base + V_START + stage * KV_TILE
-                mbarrier_wait(bars + STAGE_FULL + 8 * stage, full_parity(j, STAGES))
-
-                # Scores: S = Q Kᵀ and dP = dO Vᵀ, 64 queries x BLOCK_N keys. (The Q and dO
-                # descriptors are made again each tile, from an address the compiler cannot
-                # look through: held across the loop, each k16 step's took two registers.)
-                rows = opaque(q_rows)
-                q_desc = make_descriptor(rows, K_MAJOR_LEADING, ATOM_BYTES)
-                do_desc = make_descriptor(rows + DO_START, K_MAJOR_LEADING, ATOM_BYTES)
-                fence_scores(s)
-                fence_scores(dp)
-                wgmma_fence()
-                score_products(s, q_desc, make_descriptor(k_tile, K_MAJOR_LEADING, ATOM_BYTES))
-                score_products(dp, do_desc,
-                               make_descriptor(v_tile, K_MAJOR_LEADING, ATOM_BYTES))
-                wgmma_commit()
-                wgmma_wait(0)
-                fence_scores(s)
-                fence_scores(dp)
-
-                # P = exp2(S - lse) and dS = P (dP - D), the mask on partial tiles.
-                row_gradients(s, dp, row_lo, n0,
-                              is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL,
-                              lse_lo, lse_hi, delta_lo, delta_hi, tile_scale, pre, slope,
-                              offset, seqlen_k, mask_at)
-                for kc in range(KC):
-                    ds[kc, 0], ds[kc, 1], ds[kc, 2], ds[kc, 3] = pack_chunk(dp, 0, kc)
-
-                # Accumulate: dQ += dS K (K MN-major).
-                fence_acc(dq_acc)
-                fence_a(ds)
-                wgmma_fence()
-                grad_products(dq_acc, ds, k_tile)
-                wgmma_commit()
-                wgmma_wait(0)
-                fence_acc(dq_acc)
-                if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
-                j += 1
+            stats = (lse_lo, lse_hi, delta_lo, delta_hi)
+            if TURNS:
+                # Turn j issues dQ += dS K of visited tile j - 1 and S, dP of visited tile j
+                # (turns.py), then computes tile j's P and dS; a last turn issues the last dQ
+                # product. Each stage is freed after its dQ product (K's last reader).
+                open_turns(consumer)
+                tile = next_key_tile(tiles, seq, h, m0, n_begin, 0, n_tiles)
+                j = 0  # the visited tiles so far (as the producer counts them)
+                if tile < n_tiles:
+                    take_turn(consumer)
+                    issue_scores(s, dp, q_rows, smem_base, bars, 0)
+                    give_turn(consumer, False)
+                    wait_products(s, dp, dq_acc)
+                    while True:
+                        n0 = n_begin + tile * BLOCK_N
+                        gradients_to_ds(s, dp, ds, row_lo, m0, n0, mod_class(
+                            tiles, seq, h, m0, n0), seqlen_q, seqlen_k, stats, tile_scale,
+                            pre, slope, mask_at)
+                        tile = next_key_tile(tiles, seq, h, m0, n_begin, tile + 1, n_tiles)
+                        if tile >= n_tiles:
+                            break
+                        take_turn(consumer)
+                        issue_dq(dq_acc, ds, smem_base, j)
+                        issue_scores(s, dp, q_rows, smem_base, bars, j + 1)
+                        give_turn(consumer, False)
+                        wait_products(s, dp, dq_acc)
+                        free_stage(bars, tid, j)
+                        j += 1
+                    take_turn(consumer)
+                    issue_dq(dq_acc, ds, smem_base, j)
+                    give_turn(consumer, True)
+                    wait_products(s, dp, dq_acc)
+                    free_stage(bars, tid, j)
+                else:  # (an empty turn: both consumers take as many)
+                    take_turn(consumer)
+                    give_turn(consumer, True)
+            else:  # one tile after the other: S and dP, P and dS, dQ
+                j = 0
+                for tile in range(n_tiles):
+                    n0 = n_begin + tile * BLOCK_N
+                    kind = mod_class(tiles, seq, h, m0, n0)
+                    if kind == EMPTY:  # (no query sees a key of it: mask_mod only)
+                        continue
+                    issue_scores(s, dp, q_rows, smem_base, bars, j)
+                    wgmma_wait(0)
+                    fence_scores(s)
+                    fence_scores(dp)
+                    gradients_to_ds(s, dp, ds, row_lo, m0, n0, kind, seqlen_q, seqlen_k, stats,
+                                    tile_scale, pre, slope, mask_at)
+                    issue_dq(dq_acc, ds, smem_base, j)
+                    wgmma_wait(0)
+                    fence_acc(dq_acc)
+                    free_stage(bars, tid, j)
+                    j += 1
 
             # Epilogue: one write of dQ (times the softmax scale).
             store(dq, dq_acc, 0, b, q_start + row_lo, h, 0, q_start + seqlen_q, softmax_scale,

@@ -41,11 +41,14 @@ class _Roles:
 @dataclass(frozen=True)
 class HopperConfig(_Roles):
     """Tile shape of the Hopper forward: consumers of 64 query rows each (block_m = 64 ·
-    consumers), key tiles of block_n keys in a pipeline of `stages` K and V buffers."""
+    consumers), key tiles of block_n keys in a pipeline of `stages` K and V buffers; `turns`:
+    the two consumers take turns at the tensor cores (hopper/turns.py), each holding one
+    tile's P while the next tile's S accumulates."""
 
     block_n: int
     consumers: int = 2
     stages: int = 2
+    turns: bool = True
     register_table = REGISTERS
 
     @property
@@ -56,7 +59,7 @@ class HopperConfig(_Roles):
 _HOPPER_FORWARD = (
     (64, HopperConfig(block_n=128)),
     (128, HopperConfig(block_n=128)),
-    (256, HopperConfig(block_n=64)),
+    (256, HopperConfig(block_n=64, turns=False)),  # (P held beside S and O spilled)
 )
 #: with an attn_mask or a mask_mod (read element by element on partial tiles, on top of every
 #: other variant): the tiles at which no kernel spills (scripts/ptx_check.py --hopper
@@ -72,12 +75,19 @@ _HOPPER_FORWARD_MASKED = (
 class HopperBackwardConfig(_Roles):
     """Tile shape of the Hopper backward: consumers of 64 rows each (rows: keys of a dK/dV
     block, queries of a dQ block), dK/dV looping over query tiles of block_m and dQ over key
-    tiles of block_n, each in a pipeline of `stages` buffers."""
+    tiles of block_n, each in a pipeline of `stages` buffers: at least 3, since a dQ consumer
+    frees tile j's stage in the turn that needs tile j + 1 (turns.py), and the producer
+    announces tile j + 1 once it has issued tile j + 2's copies (with 2 stages, into tile j's
+    stage: a deadlock)."""
 
     block_m: int
     block_n: int
     consumers: int = 2
-    stages: int = 2
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.stages < 3:
+            raise ValueError(f"the Hopper backward needs 3 stages or more; got {self.stages}")
     register_table = BACKWARD_REGISTERS
 
 

@@ -16,7 +16,9 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     and K K-major), the K stage freed; the score mod, mask and online softmax on S in
     registers (device/fragments.py: the accumulator layout is mma.sync's, 16 rows a warp);
     P packed to 16 bits in registers as wgmma's A fragments; O += P V by BLOCK_N/16 products
-    with A from registers and V MN-major; the V stage freed. O and lse leave from registers.
+    with A from registers and V MN-major; the V stage freed. The two consumers take turns
+    (turns.py): each issues its P V of one tile and its S of the next together while the other
+    runs its softmax. O and lse leave from registers.
   - Tiles wholly masked are not visited (device/block_range.py), the mask runs on partial
     tiles only; a mask_mod's tile table (device/mask_mod.py) narrows the key range, and the
     tiles inside it that no row sees are neither copied nor computed (the producer and the
@@ -37,7 +39,7 @@ from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_s
 from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor, make_fence_operands,
                                  mbarrier_arrive, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
                                  shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
-from ..device.mask_mod import make_tile_table
+from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize
@@ -48,6 +50,7 @@ from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
+from .turns import give_turn, open_turns, take_turn
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,10 +84,12 @@ def hopper_forward_kernel_function(config, spec):
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
+    next_key_tile = make_next_key_tile(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+    TURNS = config.turns
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, q, k, v, b, q_row0, q_end, k_start, k_end, h, h_kv, n_begin,
@@ -114,6 +119,57 @@ def hopper_forward_kernel_function(config, spec):
             landed = bars + V_FULL + 8 * s
             j += 1
         announce_all(landed)
+
+    @cuda.jit(device=True, inline="always")
+    def issue_scores(s, q_desc, smem_base, bars, j):
+        """Issue S = Q Kᵀ of visited tile j (64 x BLOCK_N per consumer) once its K landed,
+        and commit."""
+        stage = j % STAGES
+        mbarrier_wait(bars + K_FULL + 8 * stage, full_parity(j, STAGES))
+        fence_scores(s)
+        wgmma_fence()
+        score_products(s, q_desc, make_descriptor(smem_base + K_START + stage * KV_BYTES,
+                                                  K_MAJOR_LEADING, ATOM_BYTES))
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def wait_scores(s, bars, tid, j):
+        """Wait for every product issued; free tile j's K stage."""
+        wgmma_wait(0)
+        fence_scores(s)
+        if tid % WARPGROUP == 0:
+            mbarrier_arrive(bars + K_EMPTY + 8 * (j % STAGES))
+
+    @cuda.jit(device=True, inline="always")
+    def issue_values(acc, p, smem_base, bars, j):
+        """Issue O += P V of visited tile j (P from registers, V MN-major) once its V landed,
+        and commit."""
+        stage = j % STAGES
+        mbarrier_wait(bars + V_FULL + 8 * stage, full_parity(j, STAGES))
+        fence_out(acc)
+        fence_p(p)
+        wgmma_fence()
+        pv_products(acc, p, smem_base + V_START + stage * KV_BYTES)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def wait_values(acc, bars, tid, j):
+        """Wait for every product issued; free tile j's V stage."""
+        wgmma_wait(0)
+        fence_out(acc)
+        if tid % WARPGROUP == 0:
+            mbarrier_arrive(bars + V_EMPTY + 8 * (j % STAGES))
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_to_p(s, acc, p, m_i, l_i, row_lo, m0, n0, kind, seqlen_q, seqlen_k, tile_scale,
+                     pre, slope, mask_at):
+        """Mask, score mod and online softmax of the tile at key n0 (kind: its mask_mod
+        class); O rescaled; P packed to 16 bits in p, wgmma's A fragments."""
+        partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+        softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope,
+                     seqlen_k - seqlen_q, seqlen_k, mask_at)
+        for kc in range(KC):
+            p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)
 
     def flash_forward_hopper(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
                              cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
@@ -149,7 +205,6 @@ def hopper_forward_kernel_function(config, spec):
             lane = tid % 32
             # This thread's rows: row_lo and row_lo + 8 (the accumulators' r < 2 and r >= 2).
             row_lo = m0 + 64 * consumer + 16 * ((tid % WARPGROUP) // 32) + lane // 4
-            offset = seqlen_k - seqlen_q
             tile_scale, pre = exponent_scales(scale_log2)  # (device/score_mod.py)
             slope = head_slope(alibi_slopes, seq, h)
             mask_at = (attn_mask, seq, h, mod_arrays)  # (device/attn_mask.py)
@@ -168,47 +223,56 @@ def hopper_forward_kernel_function(config, spec):
             q_desc = make_descriptor(smem_base + 64 * consumer * ROW_BYTES, K_MAJOR_LEADING,
                                      ATOM_BYTES)
             mbarrier_wait(bars, 0)  # the Q tile has landed
-            j = 0  # the visited tiles so far (as the producer counts them)
-            for tile in range(n_tiles):
-                n0 = n_begin + tile * BLOCK_N
-                kind = mod_class(tiles, seq, h, m0, n0)
-                if kind == EMPTY:  # (no row sees a key of it: mask_mod only)
-                    continue
-                stage = j % STAGES
-                phase = full_parity(j, STAGES)
-                k_desc = make_descriptor(smem_base + K_START + stage * KV_BYTES,
-                                         K_MAJOR_LEADING, ATOM_BYTES)
-
-                # Scores: S = Q Kᵀ, 64 x BLOCK_N per consumer warpgroup, in registers.
-                mbarrier_wait(bars + K_FULL + 8 * stage, phase)
-                fence_scores(s)
-                wgmma_fence()
-                score_products(s, q_desc, k_desc)
-                wgmma_commit()
-                wgmma_wait(0)
-                fence_scores(s)
-                if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + K_EMPTY + 8 * stage)  # the K stage is read
-
-                # Mask, score mod and online softmax; P in place of S, O rescaled.
-                partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
-                softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope,
-                             offset, seqlen_k, mask_at)
-                for kc in range(KC):
-                    p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)
-
-                # Accumulate: O += P V, P from registers, V MN-major.
-                mbarrier_wait(bars + V_FULL + 8 * stage, phase)
-                fence_out(acc)
-                fence_p(p)
-                wgmma_fence()
-                pv_products(acc, p, smem_base + V_START + stage * KV_BYTES)
-                wgmma_commit()
-                wgmma_wait(0)
-                fence_out(acc)
-                if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + V_EMPTY + 8 * stage)  # the V stage is read
-                j += 1
+            if TURNS:
+                # Turn j issues O += P V of visited tile j - 1 and S = Q Kᵀ of visited tile
+                # j (turns.py: the other consumer runs its softmax meanwhile), then runs the
+                # softmax of tile j; a last turn issues the last P V. (No product sits in a
+                # branch of its own: ptxas would serialise every wgmma, warning C7519.)
+                open_turns(consumer)
+                tile = next_key_tile(tiles, seq, h, m0, n_begin, 0, n_tiles)
+                j = 0  # the visited tiles so far (as the producer counts them)
+                if tile < n_tiles:
+                    take_turn(consumer)
+                    issue_scores(s, q_desc, smem_base, bars, 0)
+                    give_turn(consumer, False)
+                    wait_scores(s, bars, tid, 0)
+                    while True:
+                        n0 = n_begin + tile * BLOCK_N
+                        softmax_to_p(s, acc, p, m_i, l_i, row_lo, m0, n0, mod_class(
+                            tiles, seq, h, m0, n0), seqlen_q, seqlen_k, tile_scale, pre,
+                            slope, mask_at)
+                        tile = next_key_tile(tiles, seq, h, m0, n_begin, tile + 1,
+                                             n_tiles)
+                        if tile >= n_tiles:
+                            break
+                        take_turn(consumer)
+                        issue_values(acc, p, smem_base, bars, j)
+                        issue_scores(s, q_desc, smem_base, bars, j + 1)
+                        give_turn(consumer, False)
+                        wait_values(acc, bars, tid, j)
+                        wait_scores(s, bars, tid, j + 1)
+                        j += 1
+                    take_turn(consumer)
+                    issue_values(acc, p, smem_base, bars, j)
+                    give_turn(consumer, True)
+                    wait_values(acc, bars, tid, j)
+                else:  # (an empty turn: both consumers take as many)
+                    take_turn(consumer)
+                    give_turn(consumer, True)
+            else:  # one tile after the other: S, its softmax, P V
+                j = 0
+                for tile in range(n_tiles):
+                    n0 = n_begin + tile * BLOCK_N
+                    kind = mod_class(tiles, seq, h, m0, n0)
+                    if kind == EMPTY:  # (no row sees a key of it: mask_mod only)
+                        continue
+                    issue_scores(s, q_desc, smem_base, bars, j)
+                    wait_scores(s, bars, tid, j)
+                    softmax_to_p(s, acc, p, m_i, l_i, row_lo, m0, n0, kind, seqlen_q,
+                                 seqlen_k, tile_scale, pre, slope, mask_at)
+                    issue_values(acc, p, smem_base, bars, j)
+                    wait_values(acc, bars, tid, j)
+                    j += 1
 
             # Epilogue: row sums over the 4 lanes; out = acc / l; lse = m + log(l).
             inv_l = cuda.local.array(2, float32)

@@ -18,7 +18,8 @@ SIMULATOR_CASES = [
      dict(window_left=20, softcap=2.0, alibi=True)),  # GQA, a window, softcap, ALiBi
     ((1, 50, 60, 1, 128), None, True, "float16", HopperBackwardConfig(32, 64), {}),
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperBackwardConfig(32, 32),
-     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)], alibi=True)),  # varlen, empty
+    #   sequences; with ALiBi, the dQ kernel's consumers do not take turns
 ]
 
 # masks: a mask_mod whose tile tables leave an empty tile inside the ranges of both kernels
@@ -73,3 +74,8 @@ def test_head_dims_without_a_backward_config_are_refused():
     with pytest.raises(ValueError, match="no Hopper backward config for head_dim 256"):
         launch_hopper_backward(AttentionSpec(256, "float16", softmax_scale=0.1), q, q, q, q, q,
                                lse, lse, q, q, q)
+
+
+def test_the_backward_refuses_fewer_than_three_stages():
+    with pytest.raises(ValueError, match="needs 3 stages or more"):
+        HopperBackwardConfig(32, 64, stages=2)

@@ -13,15 +13,17 @@ from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_functio
                                                    launch_hopper_forward)
 from numba_flash.spec import AttentionSpec
 
-# (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, block_n, options
+# (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, config, options
+# (the consumers taking turns, and not: config.turns)
 SIMULATOR_CASES = [
-    ((1, 70, 50, 1, 64), None, False, "float16", 32, {}),  # a partial last key tile
-    ((1, 130, 100, 2, 64), 1, True, "bfloat16", 32, {}),  # two query tiles, GQA, rows that
-    #                                                       see no key (seqlen_q > seqlen_k)
-    ((1, 40, 90, 1, 128), None, True, "float16", 64, {}),
-    ((1, 60, 75, 2, 64), 1, False, "float16", 32,
+    ((1, 70, 50, 1, 64), None, False, "float16", HopperConfig(32), {}),  # a partial last
+    #                                                                     key tile
+    ((1, 130, 100, 2, 64), 1, True, "bfloat16", HopperConfig(32), {}),  # two query tiles,
+    #                                  GQA, rows that see no key (seqlen_q > seqlen_k)
+    ((1, 40, 90, 1, 128), None, True, "float16", HopperConfig(64), {}),
+    ((1, 60, 75, 2, 64), 1, False, "float16", HopperConfig(32, turns=False),
      dict(window_left=20, window_right=5, softcap=2.0, alibi=True)),
-    ((4, 40, 50, 1, 64), None, True, "bfloat16", 32,
+    ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperConfig(32),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
 ]
 
@@ -30,30 +32,32 @@ SIMULATOR_CASES = [
 # through the same shared mask and score mod as the other families' (tests/variants) and run
 # through these kernels in the GPU variant suite
 MASK_CASES = [
-    ((1, 130, 100, 2, 64), 1, False, "float16", 32, dict(mask_mod=gapped_mask, softcap=2.0)),
-    ((1, 80, 80, 1, 64), None, True, "bfloat16", 32, dict(mask_mod=document_mask)),
+    ((1, 130, 100, 2, 64), 1, False, "float16", HopperConfig(32),
+     dict(mask_mod=gapped_mask, softcap=2.0)),
+    ((1, 80, 80, 1, 64), None, True, "bfloat16", HopperConfig(32, turns=False),
+     dict(mask_mod=document_mask)),
 ]
 
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
               (1, 1500, 700, 4, 128), (1, 600, 900, 4, 256)]
 
 
-@pytest.mark.parametrize("shape, kv_heads, causal, dtype, block_n, options", SIMULATOR_CASES,
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", SIMULATOR_CASES,
                          ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-{len(c[5])}"
-                              for c in SIMULATOR_CASES])
-def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, block_n,
+                              f"{'' if c[4].turns else '-no-turns'}" for c in SIMULATOR_CASES])
+def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, config,
                                          options):
-    run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
+    run_forward(rng, shape, causal, dtype, config, kv_heads,
                 launch=launch_hopper_forward, **options)
 
 
-@pytest.mark.parametrize("shape, kv_heads, causal, dtype, block_n, options", MASK_CASES,
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", MASK_CASES,
                          ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-"
                               f"{'-'.join(getattr(x, '__name__', str(x)) for x in c[5].values())}"
                               for c in MASK_CASES])
 def test_hopper_forward_with_masks_in_the_simulator(rng, shape, kv_heads, causal, dtype,
-                                                    block_n, options):
-    run_forward(rng, shape, causal, dtype, HopperConfig(block_n=block_n), kv_heads,
+                                                    config, options):
+    run_forward(rng, shape, causal, dtype, config, kv_heads,
                 launch=launch_hopper_forward, **options)
 
 

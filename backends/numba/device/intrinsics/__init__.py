@@ -20,7 +20,8 @@ from .mma import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2, unpack_bf16x2, unpa
 from .rcp import reciprocal
 from .shared import load_f32x4, opaque, shared_address, shared_base, shared_tile
 from .warp import shfl_xor, syncwarp
-from .warpgroup import named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc
+from .warpgroup import (named_barrier_arrive, named_barrier_sync, setmaxnreg_dec,
+                        setmaxnreg_inc)
 from .wgmma import (descriptor_at, make_descriptor, make_fence_operands, make_wgmma,
                     wgmma_commit, wgmma_fence, wgmma_wait)
 
@@ -28,9 +29,9 @@ __all__ = ["SHARED_ALIGN", "SIMULATED", "advance", "bits_of_float32", "cp_async_
            "cp_async_16_from", "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2",
            "fence_mbarrier_init", "fence_proxy_async", "float32_from_bits", "global_address",
            "ldmatrix_x4", "ldmatrix_x4_at", "ldmatrix_x4_trans", "ldmatrix_x4_trans_at",
-           "load_f32x4", "make_descriptor", "make_fence_operands", "make_wgmma",
-           "mbarrier_arrive", "mbarrier_init", "mbarrier_wait", "mma_bf16", "mma_f16",
+           "load_f32x4", "make_descriptor", "make_fence_operands", "make_wgmma", "mbarrier_arrive",
+           "mbarrier_init", "mbarrier_wait", "mma_bf16", "mma_f16", "named_barrier_arrive",
            "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2", "reciprocal",
            "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "shared_base", "shared_tile",
-           "shfl_xor", "syncwarp", "unpack_bf16x2", "unpack_f16x2", "wgmma_commit",
-           "wgmma_fence", "wgmma_wait"]
+           "shfl_xor", "syncwarp", "unpack_bf16x2", "unpack_f16x2", "wgmma_commit", "wgmma_fence",
+           "wgmma_wait"]

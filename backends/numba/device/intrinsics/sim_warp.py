@@ -46,6 +46,14 @@ class GroupBarrier:
         self.arrived, self.generation = 0, 0
         self.lock = threading.Condition()
 
+    def arrive(self):
+        """Count the calling thread and go on (bar.arrive)."""
+        with self.lock:
+            self.arrived += 1
+            if self.arrived == self.count:
+                self.arrived, self.generation = 0, self.generation + 1
+                self.lock.notify_all()
+
     def wait(self):
         with self.lock:
             generation = self.generation
@@ -120,13 +128,14 @@ def warp_barrier():
 
 
 def named_barrier(barrier_id, count):
-    """bar.sync barrier_id, count: the first `count` threads to arrive at this id meet."""
+    """The block's named barrier `barrier_id` of `count` threads (bar.sync waits at it,
+    bar.arrive counts and goes on)."""
     barriers = _block_dict("_numba_flash_named_barriers")
     with _LOCK:
         barrier = barriers.get(barrier_id)
         if barrier is None or barrier.count != count:
             barrier = barriers[barrier_id] = GroupBarrier(count, f"named barrier {barrier_id}")
-    barrier.wait()
+    return barrier
 
 
 def block_state(name, factory):

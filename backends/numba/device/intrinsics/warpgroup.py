@@ -14,21 +14,25 @@ from . import sim_warp
 from ._llvm import SIMULATED, asm, literal_instruction, name_for_cache
 
 
-@intrinsic
-def _named_barrier_sync(typingctx, barrier_id, threads):
-    """bar.sync id, threads: wait until `threads` threads (whole warps) have arrived at id
-    (literal ints)."""
-    if not all(isinstance(x, types.IntegerLiteral) for x in (barrier_id, threads)):
-        return None
-    _check_barrier(barrier_id.literal_value, threads.literal_value)
-    text = f"bar.sync {barrier_id.literal_value}, {threads.literal_value};"
-    sig = types.void(barrier_id, threads)
+def _named_barrier(operation):
+    """bar.<operation> id, threads with literal ints: `sync` waits until `threads` threads
+    (whole warps) have arrived at id, counting itself; `arrive` counts itself and goes on."""
 
-    def codegen(context, builder, sig, args):
-        asm(builder, text, "~{memory}", [], side_effect=True)
-        return context.get_dummy_value()
+    @intrinsic
+    def named_barrier(typingctx, barrier_id, threads):
+        if not all(isinstance(x, types.IntegerLiteral) for x in (barrier_id, threads)):
+            return None
+        _check_barrier(barrier_id.literal_value, threads.literal_value)
+        text = f"bar.{operation} {barrier_id.literal_value}, {threads.literal_value};"
+        sig = types.void(barrier_id, threads)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            asm(builder, text, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return named_barrier
 
 
 def _check_registers(count):
@@ -49,16 +53,22 @@ def _setmaxnreg_python(count):
 
 def _named_barrier_sync_python(barrier_id, threads):
     _check_barrier(barrier_id, threads)
-    sim_warp.named_barrier(barrier_id, threads)
+    sim_warp.named_barrier(barrier_id, threads).wait()
+
+
+def _named_barrier_arrive_python(barrier_id, threads):
+    _check_barrier(barrier_id, threads)
+    sim_warp.named_barrier(barrier_id, threads).arrive()
 
 
 if SIMULATED:
     setmaxnreg_inc = setmaxnreg_dec = _setmaxnreg_python
     named_barrier_sync = _named_barrier_sync_python
+    named_barrier_arrive = _named_barrier_arrive_python
 else:
     setmaxnreg_inc = literal_instruction(
         lambda count: f"setmaxnreg.inc.sync.aligned.u32 {count};", _check_registers)
     setmaxnreg_dec = literal_instruction(
         lambda count: f"setmaxnreg.dec.sync.aligned.u32 {count};", _check_registers)
-    named_barrier_sync = _named_barrier_sync
+    named_barrier_sync, named_barrier_arrive = _named_barrier("sync"), _named_barrier("arrive")
     name_for_cache(globals(), __name__)
