@@ -13,14 +13,15 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ptx_check.py"
 OPT_IN_SHARED_BYTES = {"80": 163 * 1024, "90": 227 * 1024}  # per block, as in ptx_check.py
-# Both architectures for the head dims that matter most; the other config buckets once. The
+# sm_90 for the head dims that matter most, sm_80 for d128 (where the kernels come nearest
+# their limits); the other config buckets once. The
 # float16 and bfloat16 tensor-core kernels differ only in their mma and packing instructions
 # (ptxas gives them the same registers), so each architecture builds one of the two: that
 # halves the slowest compilations in CI. Likewise the SIMT kernels for bfloat16 differ from
 # float16's only in how elements are decoded and encoded: built in the third run.
 MMA_DTYPE = {80: "float16", 90: "bfloat16"}
-RUNS = [["--cc", "80", "--head-dims", "64", "128", "--dtypes", "float16", "float32",
-         "--mma-dtypes", MMA_DTYPE[80]],
+RUNS = [["--cc", "80", "--head-dims", "128", "--dtypes", "float16", "float32",
+         "--mma-dtypes", MMA_DTYPE[80]],  # (sm_80: the head dim nearest the limits)
         ["--cc", "90", "--head-dims", "64", "128", "--dtypes", "float16", "float32",
          "--mma-dtypes", MMA_DTYPE[90]],
         ["--cc", "90", "--head-dims", "32", "256", "--dtypes", "float32", "bfloat16",
@@ -30,11 +31,13 @@ RUNS = [["--cc", "80", "--head-dims", "64", "128", "--dtypes", "float16", "float
          MMA_DTYPE[90], "--variants"],
         # the split-KV decode family (KV-cache attention): every dtype at d128, the other
         # head dims' register tiles once
-        ["--cc", "80", "90", "--head-dims", "128", "--dtypes", "float16", "bfloat16",
-         "float32", "--decode"],
+        ["--cc", "90", "--head-dims", "128", "--dtypes", "float16", "bfloat16", "float32",
+         "--decode"],
+        ["--cc", "80", "--head-dims", "128", "--dtypes", "float16", "--decode"],
         ["--cc", "90", "--head-dims", "64", "256", "--dtypes", "float16", "--decode"],
-        # the Hopper family, for sm_90a: every head dim and dtype, and every variant at d128
-        ["--hopper", "--head-dims", "64", "128", "256"],
+        # the Hopper family, for sm_90a: every head dim in float16, every variant at d128 in
+        # bfloat16 (the two differ in their wgmma and packing instructions only)
+        ["--hopper", "--head-dims", "64", "128", "256", "--mma-dtypes", "float16"],
         ["--hopper", "--head-dims", "128", "--mma-dtypes", "bfloat16", "--variants"]]
 
 
@@ -56,7 +59,7 @@ def reports():
 def test_every_kernel_compiled(reports):
     seen = {(r["kernel"], r["cc"]) for r in reports}
     for cc in (80, 90):
-        for head_dim in (64, 128):
+        for head_dim in (64, 128) if cc == 90 else (128,):
             for causal in ("full", "causal"):
                 for dtype in ("float16", "float32_async"):  # (float32: cp.async on sm_80+)
                     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
@@ -88,6 +91,8 @@ def test_the_decode_kernels_compiled(reports):
     seen = {(r["kernel"], r["cc"]) for r in reports}
     for cc in (80, 90):
         for dtype in ("float16", "bfloat16", "float32"):
+            if cc == 80 and dtype != "float16":
+                continue
             for head_dim in (128,) if cc == 80 or dtype != "float16" else (64, 128, 256):
                 # (plain loads: unaligned caches)
                 assert (f"decode_d{head_dim}_plain_contiguous_{dtype}_keys", cc) in seen
@@ -112,14 +117,12 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
     # tile's S and the last tile's P V stand apart from the loop's products): d256 does not
     for head_dim, products in ((64, 24), (128, 32), (256, 20)):
         for causal in ("full", "causal"):
-            for dtype in ("f16", "bf16"):
-                assert f"hopper_forward_d{head_dim}_{causal}_{dtype}" in found
+            assert f"hopper_forward_d{head_dim}_{causal}_f16" in found
             assert found[f"hopper_forward_d{head_dim}_{causal}_f16"]["wgmma.mma_async"] == \
                 products
     for head_dim in (64, 128):  # the backward (dK/dV: Sᵀ, dPᵀ, dV, dK; dQ: S, dP, dQ)
         for kind in ("dk_dv", "dq"):
-            for dtype in ("f16", "bf16"):
-                assert f"hopper_bwd_{kind}_d{head_dim}_causal_{dtype}" in found
+            assert f"hopper_bwd_{kind}_d{head_dim}_causal_f16" in found
             assert found[f"hopper_bwd_{kind}_d{head_dim}_full_f16"]["wgmma.mma_async"] > 0
     for variants in ("variants", "masked", "mask_mod"):  # (masks: their smaller tiles)
         for kernel in ("forward", "bwd_dk_dv", "bwd_dq"):
