@@ -115,6 +115,7 @@ def _mbarrier_arrive_python(address):
         if state.pending == 0:
             state.phase += 1
             state.pending = state.expected
+            sim_warp.note_progress()
             lock.notify_all()
 
 

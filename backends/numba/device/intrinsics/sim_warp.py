@@ -24,17 +24,27 @@ class SimulatedDeadlock(RuntimeError):
     pass
 
 
+_PROGRESS = [time.monotonic()]  # when a simulated barrier last completed anywhere
+
+
+def note_progress():
+    """A barrier completed (a generation, an mbarrier phase): the kernel is moving."""
+    _PROGRESS[0] = time.monotonic()
+
+
 def wait_until(condition, lock, what):
     """Wait on `lock` (a threading.Condition, held) until condition() is true; raise if the
-    simulator aborts the block (another thread raised) or nothing moves for
-    DEADLOCK_SECONDS."""
+    simulator aborts the block (another thread raised) or no barrier anywhere has completed
+    for DEADLOCK_SECONDS (a long wait while other threads still move, say one warpgroup's
+    turn while the other computes, is not a deadlock). The lock's notify wakes the waiter;
+    the timeout only paces those checks (short ones starved the computing threads)."""
     thread = threading.current_thread()
     start = time.monotonic()
     while not condition():
-        lock.wait(0.05)
+        lock.wait(0.5)
         if getattr(thread, "abort", False):
             raise RuntimeError(f"abort flag set while waiting on {what}")
-        if time.monotonic() - start > DEADLOCK_SECONDS:
+        if time.monotonic() - max(start, _PROGRESS[0]) > DEADLOCK_SECONDS:
             raise SimulatedDeadlock(f"{what}: no progress for {DEADLOCK_SECONDS:.0f} s")
 
 
@@ -52,6 +62,7 @@ class GroupBarrier:
             self.arrived += 1
             if self.arrived == self.count:
                 self.arrived, self.generation = 0, self.generation + 1
+                note_progress()
                 self.lock.notify_all()
 
     def wait(self):
@@ -60,6 +71,7 @@ class GroupBarrier:
             self.arrived += 1
             if self.arrived == self.count:
                 self.arrived, self.generation = 0, generation + 1
+                note_progress()
                 self.lock.notify_all()
                 return
             wait_until(lambda: self.generation != generation, self.lock, self.what)
