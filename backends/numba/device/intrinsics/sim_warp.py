@@ -10,42 +10,85 @@ be elsewhere, e.g. a producer warpgroup waiting on an mbarrier.
 Per-thread state (thread_state) holds what a thread has in flight, e.g. its cp.async copies.
 """
 import threading
-import time
 
 import numpy as np
 
 WARP_SIZE = 32
 WARPGROUP_SIZE = 128
-#: a simulated barrier that waits longer than this is a deadlock in the kernel
-DEADLOCK_SECONDS = 120.0
+#: how often a waiting thread wakes to look for an abort or a deadlock (a notify wakes it
+#: at once; frequent wakes of hundreds of waiters starve the threads that compute)
+POLL_SECONDS = 2.0
 
 
 class SimulatedDeadlock(RuntimeError):
     pass
 
 
-_PROGRESS = [time.monotonic()]  # when a simulated barrier last completed anywhere
+_PROGRESS = [0]  # how many simulated barriers have completed, anywhere
 
 
 def note_progress():
     """A barrier completed (a generation, an mbarrier phase): the kernel is moving."""
-    _PROGRESS[0] = time.monotonic()
+    _PROGRESS[0] += 1
+
+
+def _stuck_threads(thread, what):
+    """Where each live thread of `thread`'s block (which waits for `what`) waits, or None if
+    one of them runs, may go on (its condition holds: notified, not yet scheduled) or is
+    being released from syncthreads."""
+    waits = []
+    for other in threading.enumerate():
+        if getattr(other, "_manager", None) is not thread._manager or not other.is_alive():
+            continue
+        if other is thread:
+            waits.append(what)
+            continue
+        waiting = getattr(other, "waiting_on", None)
+        if waiting is not None:
+            where, condition = waiting
+            if condition():
+                return None
+        elif getattr(other, "syncthreads_blocked", False):
+            where = "syncthreads"
+        else:
+            return None
+        waits.append(where)
+    return waits
+
+
+def _deadlock_message(what, waits):
+    counts = {}
+    for where in waits:
+        counts[where] = counts.get(where, 0) + 1
+    places = "; ".join(f"{n} at {where}" for where, n in sorted(counts.items()))
+    return f"{what}: every thread of the block waits and none can go on ({places})"
 
 
 def wait_until(condition, lock, what):
     """Wait on `lock` (a threading.Condition, held) until condition() is true; raise if the
-    simulator aborts the block (another thread raised) or no barrier anywhere has completed
-    for DEADLOCK_SECONDS (a long wait while other threads still move, say one warpgroup's
-    turn while the other computes, is not a deadlock). The lock's notify wakes the waiter;
-    the timeout only paces those checks (short ones starved the computing threads)."""
+    simulator aborts the block (another thread raised) or the block is deadlocked: every
+    live thread of it waits (here, for a condition that does not hold, or at syncthreads),
+    twice in a row POLL_SECONDS apart with no barrier completed anywhere in between. Wall
+    time alone decides nothing: a long wait while other threads compute (one warpgroup's turn
+    while the other runs its softmax) or while notified threads wait for the interpreter is
+    not a deadlock, however slow the simulation. The lock's notify wakes the waiter; the
+    timeout only paces the checks."""
     thread = threading.current_thread()
-    start = time.monotonic()
+    stuck_at = None  # the progress count when the block was last seen stuck
     while not condition():
-        lock.wait(0.5)
+        thread.waiting_on = (what, condition)
+        lock.wait(POLL_SECONDS)
+        thread.waiting_on = None
         if getattr(thread, "abort", False):
             raise RuntimeError(f"abort flag set while waiting on {what}")
-        if time.monotonic() - max(start, _PROGRESS[0]) > DEADLOCK_SECONDS:
-            raise SimulatedDeadlock(f"{what}: no progress for {DEADLOCK_SECONDS:.0f} s")
+        if condition():
+            break
+        progress = _PROGRESS[0]
+        waits = _stuck_threads(thread, what)
+        if waits is None or progress != stuck_at:
+            stuck_at = None if waits is None else progress
+            continue
+        raise SimulatedDeadlock(_deadlock_message(what, waits))
 
 
 class GroupBarrier:
