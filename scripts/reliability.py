@@ -7,6 +7,8 @@
     python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
     python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) kernels (sm_90)
+    python scripts/reliability.py sanitize-hopper-variants  # its variant calls alone
+    python scripts/reliability.py sanitize-hopper-reuse     # of those, 4 that reuse dK/dV stages
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -161,8 +163,43 @@ def sanitize_hopper(numba_flash, cp, torch):
                     calls += 2
     cp.cuda.Device().synchronize()
     print(f"sanitize-hopper: {calls} calls done")
-    hopper = (("numba-hopper", "float16"), ("numba-hopper", "bfloat16"))
-    return sanitize_variants(numba_flash, cp, torch, engines=hopper)
+    return sanitize_hopper_variants(numba_flash, cp, torch)
+
+
+HOPPER_ENGINES = (("numba-hopper", "float16"), ("numba-hopper", "bfloat16"))
+
+
+def sanitize_hopper_variants(numba_flash, cp, torch):
+    """sanitize-variants' calls through the Hopper kernels alone (the second half of
+    sanitize-hopper)."""
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        print("sanitize-hopper-variants: not an sm_90 GPU, nothing run")
+        return True
+    return sanitize_variants(numba_flash, cp, torch, engines=HOPPER_ENGINES)
+
+
+def sanitize_hopper_reuse(numba_flash, cp, torch):
+    """A quick racecheck of the Hopper dK/dV pipeline's stage reuse: sanitize-variants'
+    boolean-mask and ALiBi/window/softcap GQA calls at d64 in bfloat16, once each (6 query
+    tiles per key block through 3 stages; sanitize-hopper-variants runs them among 72 calls)."""
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        print("sanitize-hopper-reuse: not an sm_90 GPU, nothing run")
+        return True
+    rng = np.random.default_rng(1)
+    q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, 64), "bfloat16")
+    k, v = (x[:, :, :2].contiguous() for x in (k, v))
+    kept = torch.tensor([50, 61], device="cuda")
+    padding = torch.arange(61, device="cuda")[None, None, None, :] < kept[:, None, None, None]
+    slopes = torch.rand(2, 4, device="cuda") * 0.45 + 0.05
+    for options in (dict(attn_mask=padding, causal=True),
+                    dict(causal=True, window_size=(19, -1), softcap=5.0, alibi_slopes=slopes)):
+        out, lse = numba_flash.forward(q, k, v, backend="numba-hopper", **options)
+        numba_flash.backward(dout, q, k, v, out, lse, backend="numba-hopper", **options)
+    cp.cuda.Device().synchronize()
+    print("sanitize-hopper-reuse: 4 calls done")
+    return True
 
 
 def sanitize_kvcache(numba_flash, cp, torch):
@@ -277,7 +314,8 @@ def jit(numba_flash, cp, torch):
 
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
          "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
-         "sanitize-hopper": sanitize_hopper,
+         "sanitize-hopper": sanitize_hopper, "sanitize-hopper-variants": sanitize_hopper_variants,
+         "sanitize-hopper-reuse": sanitize_hopper_reuse,
          "repeat": repeat, "long": long, "jit": jit}
 
 

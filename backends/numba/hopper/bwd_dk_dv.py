@@ -52,7 +52,7 @@ def hopper_dk_dv_kernel_function(config, spec):
     # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
     STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
-    init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS * WARPGROUP)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
 
@@ -208,8 +208,8 @@ def hopper_dk_dv_kernel_function(config, spec):
                 wgmma_wait(0)
                 fence_acc(dv_acc)
                 fence_acc(dk_acc)
-                if tid % WARPGROUP == 0:
-                    mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
+                # every consumer thread frees the stage: each has read its stats (plain loads)
+                mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)
                 j += 1
 
             # Epilogue: one write of dK (times the softmax scale) and dV.
