@@ -24,9 +24,9 @@ from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_wa
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
-                                 mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
-                                 setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
-                                 wgmma_wait)
+                                 mbarrier_arrive, mbarrier_wait, named_barrier_sync, opaque,
+                                 setmaxnreg_dec, setmaxnreg_inc, shared_base, wgmma_commit,
+                                 wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
@@ -52,8 +52,9 @@ def hopper_dk_dv_kernel_function(config, spec):
     # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
     STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
-    init_barriers = make_barrier_init(1, STAGES, CONSUMERS * WARPGROUP)
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
+    CONSUMERS_MEET, CONSUMER_THREADS = 1, CONSUMERS * WARPGROUP  # (a named barrier)
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
 
     load_keys = make_tile_loader(D, ROWS)
@@ -208,8 +209,11 @@ def hopper_dk_dv_kernel_function(config, spec):
                 wgmma_wait(0)
                 fence_acc(dv_acc)
                 fence_acc(dk_acc)
-                # every consumer thread frees the stage: each has read its stats (plain loads)
-                mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)
+                # why: every consumer thread's plain loads of the stage's lse and D come before
+                # the one arrival per warpgroup that lets the producer overwrite them
+                named_barrier_sync(CONSUMERS_MEET, CONSUMER_THREADS)
+                if tid % WARPGROUP == 0:
+                    mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
                 j += 1
 
             # Epilogue: one write of dK (times the softmax scale) and dV.

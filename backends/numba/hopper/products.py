@@ -34,19 +34,17 @@ def empty_barrier(group, stage, stages, groups):
 
 
 @functools.lru_cache(maxsize=None)
-def make_barrier_init(groups, stages, empty_arrivals):
+def make_barrier_init(groups, stages, consumers):
     """init_barriers(bars) (one thread, before a block barrier): the once-loaded tiles' and
-    every full barrier count the producer's threads; every empty one `empty_arrivals` (a
-    thread of each consumer warpgroup where only wgmma reads the stage, every consumer thread
-    where they read it with plain loads too)."""
+    every full barrier count the producer's threads; every empty one a thread of each of the
+    `consumers` consumer warpgroups."""
     @cuda.jit(device=True, inline="always")
     def init_barriers(bars):
         mbarrier_init(bars, WARPGROUP)
         for group in range(groups):  # (full_barrier's and empty_barrier's offsets)
             for stage in range(stages):
                 mbarrier_init(bars + 8 * (1 + group * stages + stage), WARPGROUP)
-                mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage),
-                              empty_arrivals)
+                mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage), consumers)
         fence_mbarrier_init()
 
     return init_barriers
