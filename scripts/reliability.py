@@ -8,7 +8,6 @@
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
     python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) kernels (sm_90)
     python scripts/reliability.py sanitize-hopper-variants  # its variant calls alone
-    python scripts/reliability.py sanitize-hopper-reuse     # of those, 4 that reuse dK/dV stages
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -140,15 +139,22 @@ def sanitize_masks(numba_flash, cp, torch):
     return sanitize_variants(numba_flash, cp, torch, masks_only=True)
 
 
+def _on_hopper(mode):
+    """Whether the GPU is sm_90 (the Hopper kernels'); says so when it is not."""
+    from numba import cuda
+    if tuple(cuda.get_current_device().compute_capability) == (9, 0):
+        return True
+    print(f"{mode}: not an sm_90 GPU, nothing run")
+    return False
+
+
 def sanitize_hopper(numba_flash, cp, torch):
     """The Hopper kernels (numba-hopper: the wgmma forward, and backward up to D 128) at
     SANITIZE_SHAPES (D 200 runs padded to 256, its backward on the tensor cores), float16
     and bfloat16, causal and not, each call twice (the second a replay); then
     sanitize-variants' calls through them (GQA with a window, softcap and ALiBi, varlen,
     attention masks, mask_mods). Skipped on GPUs other than sm_90."""
-    from numba import cuda
-    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
-        print("sanitize-hopper: not an sm_90 GPU, nothing run")
+    if not _on_hopper("sanitize-hopper"):
         return True
     rng = np.random.default_rng(4)
     calls = 0
@@ -172,34 +178,9 @@ HOPPER_ENGINES = (("numba-hopper", "float16"), ("numba-hopper", "bfloat16"))
 def sanitize_hopper_variants(numba_flash, cp, torch):
     """sanitize-variants' calls through the Hopper kernels alone (the second half of
     sanitize-hopper)."""
-    from numba import cuda
-    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
-        print("sanitize-hopper-variants: not an sm_90 GPU, nothing run")
+    if not _on_hopper("sanitize-hopper-variants"):
         return True
     return sanitize_variants(numba_flash, cp, torch, engines=HOPPER_ENGINES)
-
-
-def sanitize_hopper_reuse(numba_flash, cp, torch):
-    """A quick racecheck of the Hopper dK/dV pipeline's stage reuse: sanitize-variants'
-    boolean-mask and ALiBi/window/softcap GQA calls at d64 in bfloat16, once each (6 query
-    tiles per key block through 3 stages; sanitize-hopper-variants runs them among 72 calls)."""
-    from numba import cuda
-    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
-        print("sanitize-hopper-reuse: not an sm_90 GPU, nothing run")
-        return True
-    rng = np.random.default_rng(1)
-    q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, 64), "bfloat16")
-    k, v = (x[:, :, :2].contiguous() for x in (k, v))
-    kept = torch.tensor([50, 61], device="cuda")
-    padding = torch.arange(61, device="cuda")[None, None, None, :] < kept[:, None, None, None]
-    slopes = torch.rand(2, 4, device="cuda") * 0.45 + 0.05
-    for options in (dict(attn_mask=padding, causal=True),
-                    dict(causal=True, window_size=(19, -1), softcap=5.0, alibi_slopes=slopes)):
-        out, lse = numba_flash.forward(q, k, v, backend="numba-hopper", **options)
-        numba_flash.backward(dout, q, k, v, out, lse, backend="numba-hopper", **options)
-    cp.cuda.Device().synchronize()
-    print("sanitize-hopper-reuse: 4 calls done")
-    return True
 
 
 def sanitize_kvcache(numba_flash, cp, torch):
@@ -315,7 +296,6 @@ def jit(numba_flash, cp, torch):
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
          "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
          "sanitize-hopper": sanitize_hopper, "sanitize-hopper-variants": sanitize_hopper_variants,
-         "sanitize-hopper-reuse": sanitize_hopper_reuse,
          "repeat": repeat, "long": long, "jit": jit}
 
 

@@ -10,6 +10,7 @@ be elsewhere, e.g. a producer warpgroup waiting on an mbarrier.
 Per-thread state (thread_state) holds what a thread has in flight, e.g. its cp.async copies.
 """
 import threading
+from collections import Counter
 
 import numpy as np
 
@@ -57,10 +58,7 @@ def _stuck_threads(thread, what):
 
 
 def _deadlock_message(what, waits):
-    counts = {}
-    for where in waits:
-        counts[where] = counts.get(where, 0) + 1
-    places = "; ".join(f"{n} at {where}" for where, n in sorted(counts.items()))
+    places = "; ".join(f"{n} at {where}" for where, n in sorted(Counter(waits).items()))
     return f"{what}: every thread of the block waits and none can go on ({places})"
 
 
