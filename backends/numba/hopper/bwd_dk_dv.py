@@ -11,8 +11,9 @@ of 1 + CONSUMERS warpgroups:
   - each consumer (setmaxnreg.inc) owns 64 keys: per query tile Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     (products over the head dim, both tiles K-major), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − D) in
     registers (device/fragments.py, columns are queries), then dV += Pᵀ dO and dK += dSᵀ Q
-    with Pᵀ and dSᵀ packed to 16 bits as the products' A and dO, Q MN-major; then it frees
-    the stage. dK (times the softmax scale) and dV leave from registers.
+    with Pᵀ and dSᵀ packed to 16 bits as the products' A and dO, Q MN-major; then each of
+    its warps frees the stage (a warp barrier orders its lanes' loads of lse and D first).
+    dK (times the softmax scale) and dV leave from registers.
 A mask_mod's tile table (device/mask_mod.py) narrows the query range (over the group's heads),
 and the query tiles that see no key of the tile are neither copied nor computed.
 """
@@ -24,8 +25,8 @@ from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_wa
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
-                                 mbarrier_arrive, mbarrier_wait, named_barrier_sync, opaque,
-                                 setmaxnreg_dec, setmaxnreg_inc, shared_base, wgmma_commit,
+                                 mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
+                                 setmaxnreg_inc, shared_base, syncwarp, wgmma_commit,
                                  wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
@@ -52,9 +53,8 @@ def hopper_dk_dv_kernel_function(config, spec):
     # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
     STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
-    init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS * (WARPGROUP // 32))  # (per warp)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
-    CONSUMERS_MEET, CONSUMER_THREADS = 1, CONSUMERS * WARPGROUP  # (a named barrier)
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
 
     load_keys = make_tile_loader(D, ROWS)
@@ -209,10 +209,10 @@ def hopper_dk_dv_kernel_function(config, spec):
                 wgmma_wait(0)
                 fence_acc(dv_acc)
                 fence_acc(dk_acc)
-                # why: every consumer thread's plain loads of the stage's lse and D come before
-                # the one arrival per warpgroup that lets the producer overwrite them
-                named_barrier_sync(CONSUMERS_MEET, CONSUMER_THREADS)
-                if tid % WARPGROUP == 0:
+                # why: the lanes' plain loads of the stage's lse and D come before their warp's
+                # arrival, which (with the other consumer warps') lets the producer overwrite them
+                syncwarp()
+                if lane == 0:
                     mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
                 j += 1
 

@@ -34,17 +34,18 @@ def empty_barrier(group, stage, stages, groups):
 
 
 @functools.lru_cache(maxsize=None)
-def make_barrier_init(groups, stages, consumers):
+def make_barrier_init(groups, stages, empty_arrivals):
     """init_barriers(bars) (one thread, before a block barrier): the once-loaded tiles' and
-    every full barrier count the producer's threads; every empty one a thread of each of the
-    `consumers` consumer warpgroups."""
+    every full barrier count the producer's threads; every empty one `empty_arrivals`
+    arrivals (a thread of each consumer warpgroup, or of each consumer warp)."""
     @cuda.jit(device=True, inline="always")
     def init_barriers(bars):
         mbarrier_init(bars, WARPGROUP)
         for group in range(groups):  # (full_barrier's and empty_barrier's offsets)
             for stage in range(stages):
                 mbarrier_init(bars + 8 * (1 + group * stages + stage), WARPGROUP)
-                mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage), consumers)
+                mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage),
+                              empty_arrivals)
         fence_mbarrier_init()
 
     return init_barriers
