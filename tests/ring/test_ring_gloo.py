@@ -57,9 +57,19 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def ring_run(request, tmp_path_factory):
-    """Every case of one world size, run once by `world` worker processes."""
-    world = request.param
+def ring_runs(tmp_path_factory):
+    """run(world): every case of one world size, run by `world` worker processes once for the
+    module (an indirectly parametrized fixture was set up again for each test)."""
+    done = {}
+
+    def run(world):
+        if world not in done:
+            done[world] = _run_world(world, tmp_path_factory)
+        return done[world]
+    return run
+
+
+def _run_world(world, tmp_path_factory):
     directory = tmp_path_factory.mktemp(f"ring{world}")
     rng = np.random.default_rng()
     inputs = {}
@@ -88,12 +98,11 @@ def _rounded(x, dtype):
     return x.astype(dtype).astype(np.float32)
 
 
-@pytest.mark.parametrize("ring_run, index", [(world, i) for world in sorted(CASES)
-                                             for i in range(len(CASES[world]))],
-                         indirect=["ring_run"],
+@pytest.mark.parametrize("world, index", [(world, i) for world in sorted(CASES)
+                                          for i in range(len(CASES[world]))],
                          ids=[f"world{w}-{c['name']}" for w in sorted(CASES) for c in CASES[w]])
-def test_ring_matches_whole_sequence_attention(ring_run, index):
-    world, inputs, results, _ = ring_run
+def test_ring_matches_whole_sequence_attention(ring_runs, world, index):
+    world, inputs, results, _ = ring_runs(world)
     c = CASES[world][index]
     dtype = c["dtype"]
     q, k, v, dout = (_rounded(inputs[f"{c['name']}/{x}"], dtype) for x in ("q", "k", "v", "dout"))
@@ -125,9 +134,9 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("ring_run", sorted(CASES), indirect=True, ids=lambda w: f"world{w}")
-def test_bad_calls_are_refused_on_every_rank(ring_run):
-    world, _, _, errors = ring_run
+@pytest.mark.parametrize("world", sorted(CASES), ids=lambda w: f"world{w}")
+def test_bad_calls_are_refused_on_every_rank(ring_runs, world):
+    world, _, _, errors = ring_runs(world)
     for rank, raised in enumerate(errors):
         for name, fragment in REFUSALS.items():
             assert raised[name] is not None and fragment in raised[name], (rank, name,
