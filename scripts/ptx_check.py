@@ -318,6 +318,8 @@ def main(argv=None):
                         help="instead, the split-KV decode family's kernels")
     parser.add_argument("--hopper", action="store_true",
                         help="instead, the Hopper family's kernels, for sm_90a (ignores --cc)")
+    parser.add_argument("--causal-only", action="store_true",
+                        help="leave out the kernels of the full (not causal) spec")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
@@ -331,6 +333,8 @@ def main(argv=None):
             cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
                                       args.variants)) + list(
                 mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
+        if args.causal_only:
+            cases = [case for case in cases if "_full_" not in case[0]]
         for name, function, signature, dynamic_bytes, *launch_bounds in cases:
             target = (9, 0, "a") if cc == "90a" else divmod(cc, 10)
             ptx, _ = cuda.compile_ptx(function, signature, cc=target,
