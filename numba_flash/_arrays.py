@@ -47,7 +47,7 @@ def device_id(x):
     """CUDA device ordinal of a device array, None for host arrays."""
     kind = array_kind(x)
     if kind == CUPY:
-        return int(x.device.id)
+        return x.data.device_id  # (an int; x.device makes a Device object each call)
     if kind == TORCH:
         return int(x.device.index)
     if kind == CUDA:
@@ -92,16 +92,20 @@ def empty_like_kind(ref, shape, dtype):
     """A new uninitialised C-contiguous array of the same library and device as `ref`; dtype is
     a name ('float32', 'bfloat16', ...) or a NumPy dtype."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if type(ref).__module__.startswith("torch"):  # CUDA or CPU tensors
+    module = type(ref).__module__ or ""
+    if module.startswith("cupy"):  # (first: a replayed call allocates here, microseconds count)
+        import cupy
+        device = ref.data.device_id
+        if cupy.cuda.runtime.getDevice() == device:
+            return cupy.empty(shape, name)
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, name)
+    if module.startswith("torch"):  # CUDA or CPU tensors
         import torch
         return torch.empty(shape, dtype=getattr(torch, name), device=ref.device)
     kind = array_kind(ref)
     if kind == HOST:
         return np.empty(shape, name)
-    if kind == CUPY:
-        import cupy
-        with cupy.cuda.Device(ref.device.id):
-            return cupy.empty(shape, name)
     from numba import cuda
     return cuda.device_array(shape, name)
 
@@ -133,7 +137,10 @@ def caller_stream_handle(x):
     kind = array_kind(x)
     if kind == CUPY:
         import cupy
-        with cupy.cuda.Device(x.device.id):  # the stream current on the array's device
+        device = x.data.device_id
+        if cupy.cuda.runtime.getDevice() == device:
+            return cupy.cuda.get_current_stream().ptr or 1
+        with cupy.cuda.Device(device):  # the stream current on the array's device
             return cupy.cuda.get_current_stream().ptr or 1
     if kind == TORCH:
         import torch

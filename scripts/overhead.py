@@ -6,7 +6,7 @@ bench.py's timer includes it too (it records an event, calls, records an event),
 sequences it decides part of the TFLOP/s. With --profile, cProfile's top entries for the
 numba forward and backward follow.
 
-    python scripts/overhead.py [--calls 300] [--profile]
+    python scripts/overhead.py [--calls 300] [--profile] [--backends numba numba-simt]
 """
 import argparse
 import cProfile
@@ -39,6 +39,8 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top")
     parser.add_argument("--shape", nargs=4, type=int, default=[1, 128, 4, 64],
                         metavar=("B", "N", "H", "D"))
+    parser.add_argument("--backends", nargs="+", default=["numba", "numba-simt"],
+                        help="the numba_flash backends timed (CuPy inputs)")
     args = parser.parse_args(argv)
     reason = harness.gpu_ready()
     if reason:
@@ -52,7 +54,7 @@ def main(argv=None):
     q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
     sync = cp.cuda.get_current_stream().synchronize
     runs = {}
-    for backend in ("numba", "numba-simt"):
+    for backend in args.backends:
         def fwd(backend=backend):
             return numba_flash.forward(q, k, v, causal=True, backend=backend)
         out, lse = fwd()
@@ -91,7 +93,7 @@ def main(argv=None):
         print(f"{name:32s} {per_call_us(fn, synchronize, args.calls):8.1f} us per call",
               flush=True)
     if args.profile:
-        for name in ("numba forward", "numba backward"):
+        for name in (f"{args.backends[0]} forward", f"{args.backends[0]} backward"):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.calls):

@@ -273,7 +273,8 @@ def test_torch_compile_traces_a_model_in_one_graph(rng, mode, packed):
     backend, dtype = ("numpy", torch.float64) if mode == "simulator" else ("numba", torch.float32)
     proj = torch.nn.Linear(width, 3 * width, dtype=dtype).to(device)
     x = torch.randn(batch, seqlen, width, generator=gen, dtype=dtype).to(device)
-    lengths = [seqlen // 3, 0, seqlen - seqlen // 3]  # (packed: the batch's rows as 3 sequences)
+    tokens = batch * seqlen  # (packed: the batch's rows as 3 sequences)
+    lengths = [tokens // 3, 0, tokens - tokens // 3]
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32, device=device)
 
     def model(x):
