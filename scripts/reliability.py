@@ -8,6 +8,7 @@
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
     python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) kernels (sm_90)
     python scripts/reliability.py sanitize-hopper-variants  # its variant calls alone
+    python scripts/reliability.py sanitize-hopper-stages    # their bfloat16 d64 calls alone
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
     python scripts/reliability.py long       # forward at N = 262,144 (B1 H8 D64, float16)
     python scripts/reliability.py jit        # first-call cost, cold and warm on-disk cache
@@ -72,7 +73,8 @@ VARIANT_ENGINES = (("numba-simt", "float32"), ("numba-simt", "float16"),
                    ("numba-mma", "float16"), ("numba-mma", "bfloat16"))
 
 
-def sanitize_variants(numba_flash, cp, torch, masks_only=False, engines=VARIANT_ENGINES):
+def sanitize_variants(numba_flash, cp, torch, masks_only=False, engines=VARIANT_ENGINES,
+                      head_dims=(64, 128)):
     """The variants' kernels at odd sizes, through each (backend, dtype) of `engines`: GQA
     with a window, softcap and ALiBi at once, varlen (sequences without queries or keys among
     them), and attention masks (a boolean key padding mask, a float mask per head broadcast
@@ -87,7 +89,7 @@ def sanitize_variants(numba_flash, cp, torch, masks_only=False, engines=VARIANT_
     calls = 0
     total_q, total_k = (int(cu[-1]) for cu in (cu_q, cu_k))
     for backend, dtype in engines:
-        for head_dim in (64, 128):
+        for head_dim in head_dims:
             q, k, v, dout = _arrays(cp, torch, rng, (2, 45, 61, 4, head_dim), dtype)
             packed = [x[0] for x in _arrays(cp, torch, rng, (1, total_q, total_k, 2, head_dim),
                                             dtype)]
@@ -181,6 +183,16 @@ def sanitize_hopper_variants(numba_flash, cp, torch):
     if not _on_hopper("sanitize-hopper-variants"):
         return True
     return sanitize_variants(numba_flash, cp, torch, engines=HOPPER_ENGINES)
+
+
+def sanitize_hopper_stages(numba_flash, cp, torch):
+    """sanitize-hopper-variants' bfloat16 calls at d64 alone, where the dK/dV kernel reuses
+    its pipeline stages (GQA: several query tiles per key tile): racecheck's short run for
+    how the consumers free a stage (docs/RELIABILITY.md)."""
+    if not _on_hopper("sanitize-hopper-stages"):
+        return True
+    return sanitize_variants(numba_flash, cp, torch, engines=(("numba-hopper", "bfloat16"),),
+                             head_dims=(64,))
 
 
 def sanitize_kvcache(numba_flash, cp, torch):
@@ -296,6 +308,7 @@ def jit(numba_flash, cp, torch):
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
          "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
          "sanitize-hopper": sanitize_hopper, "sanitize-hopper-variants": sanitize_hopper_variants,
+         "sanitize-hopper-stages": sanitize_hopper_stages,
          "repeat": repeat, "long": long, "jit": jit}
 
 
