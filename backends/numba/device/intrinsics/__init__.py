@@ -25,6 +25,10 @@ from .warpgroup import (named_barrier_arrive, named_barrier_sync, setmaxnreg_dec
 from .wgmma import (descriptor_at, make_descriptor, make_fence_operands, make_wgmma,
                     wgmma_commit, wgmma_fence, wgmma_wait)
 
+if SIMULATED:  # (every kernel family imports this package before it launches)
+    from .sim_block import install as _install_block_scheduler
+    _install_block_scheduler()
+
 __all__ = ["SHARED_ALIGN", "SIMULATED", "advance", "bits_of_float32", "cp_async_16",
            "cp_async_16_from", "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2",
            "fence_mbarrier_init", "fence_proxy_async", "float32_from_bits", "global_address",
