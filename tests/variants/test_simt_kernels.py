@@ -22,7 +22,7 @@ def test_simt_kernels_with_a_mask_mod(rng, name, shape, kv_heads, causal, option
     run_simt(rng, shape, kv_heads, causal, *loads, options)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, batch=st.integers(1, 2), kv_heads=st.integers(1, 2),
        head_dim=st.sampled_from([4, 12, 24]),
        loads=st.sampled_from([("float32", True), ("float32", False), ("float16", False)]))

@@ -39,7 +39,7 @@ def test_tensor_core_kernels_with_a_mask_mod(rng, name, shape, kv_heads, causal,
     run_backward(rng, shape, causal, "float16", MMA_BACKWARD, kv_heads, **options)
 
 
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**OPTIONS, dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_tensor_core_kernels_on_sampled_combinations(seqlen_q, seqlen_k, group, causal, window,
                                                      softcap, alibi, varlen, mask, seed,

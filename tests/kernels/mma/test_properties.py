@@ -14,7 +14,7 @@ from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.integers(1, 2), seqlen_q=st.integers(1, 24), seqlen_k=st.integers(1, 24),
        nheads=st.integers(1, 2), headdim=st.integers(1, 72), causal=st.booleans(),
        dtype=st.sampled_from(["float32", "float16"]), seed=st.integers(0, 2**32 - 1))
