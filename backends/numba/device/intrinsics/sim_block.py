@@ -7,9 +7,9 @@ the simulated threads run in what is left: with most of a block's threads waitin
 warpgroups at an mbarrier while the producer copies, lanes at a warp barrier) the manager
 took most of the time. `install()` gives the manager a loop that sleeps between polls, with the
 same rules: syncthreads() is released when every live thread of the block waits there, and
-the first exception a thread raises aborts the block's other threads and is raised again in
-the launching thread. A kernel test then runs several times faster (docs/RELIABILITY.md,
-twentieth session).
+the first exception a thread raises aborts the block's other threads (before any further
+barrier is released) and is raised again in the launching thread. A kernel test then runs
+several times faster (docs/RELIABILITY.md, twentieth session).
 """
 import time
 
@@ -46,11 +46,14 @@ def run_block(manager, grid_point, *args):
     live = threads
     while live:
         time.sleep(POLL_PAUSE_SECONDS)  # why: the simulated threads need the interpreter lock
+        running = [thread for thread in live if thread.is_alive()]
+        # (the threads that ended since the last poll included: a thread sets its exception
+        # before it ends, so no barrier is released once a thread has failed)
         failed = next((thread for thread in live if thread.exception), None)
         if failed is not None:
             _abort(threads)
             _raise_from(failed)
-        live = [thread for thread in live if thread.is_alive()]
+        live = running
         if live and all(thread.syncthreads_blocked for thread in live):
             for thread in live:
                 thread.syncthreads_blocked = False
