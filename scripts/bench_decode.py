@@ -4,12 +4,15 @@ One query token per sequence (--seqlen-q), head dim 128, full caches of --caches
 batch 16 with 32 heads, multi-head and GQA (8 key/value heads), and batch 1 with 32 heads;
 contiguous caches and paged ones (block sizes --block-sizes, the blocks a random permutation of
 the same memory). K/V bytes read per second count each cached key and value once (what the
-kernel must read); SDPA gets q (B, H, 1, D) and the caches as (B, H_kv, N, D) views
-(enable_gqa for GQA). Times are CUDA-event medians (scripts/bench.py's Timer); "step" is the
-wall time of one call with the host's share (checks, the cache_seqlens read), averaged over
---step-calls calls and one synchronisation.
+kernel must read); ours on --backends ("numba": the tensor-core decode kernel for these
+dtypes; "numba-simt": the SIMT one), with the splits' heuristic and any --splits forced;
+SDPA gets q (B, H, 1, D) and the caches as (B, H_kv, N, D) views (enable_gqa for GQA).
+Times are CUDA-event medians (scripts/bench.py's Timer); "step" is the wall time of one call
+with the host's share (checks, the cache_seqlens read), averaged over --step-calls calls and
+one synchronisation.
 
     python scripts/bench_decode.py [--dtypes float16 bfloat16] [--caches 8192 32768 131072]
+        [--backends numba numba-simt] [--splits 16 64]
 """
 import argparse
 import sys
@@ -48,16 +51,22 @@ def row_runners(numba_flash, torch, args, dtype, batch, heads, kv_heads, tokens,
     k_cache, v_cache = (torch.randn(batch, tokens, kv_heads, 128, generator=gen, device="cuda",
                                     dtype=torch_dtype) for _ in range(2))
     lengths = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
-    fns = {"numba": lambda: numba_flash.forward_kvcache(q, k_cache, v_cache,
-                                                        cache_seqlens=lengths)}
+    fns = {}
+    for backend in args.backends:
+        for splits in [0] + args.splits:
+            label = backend if not splits else f"{backend} splits {splits}"
+            fns[label] = (lambda backend=backend, splits=splits: numba_flash.forward_kvcache(
+                q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits,
+                backend=backend))
     for block_size in args.block_sizes:
         blocks = batch * tokens // block_size
         order = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32)
         table = order.reshape(batch, tokens // block_size)
         paged = [x.reshape(blocks, block_size, kv_heads, 128) for x in (k_cache, v_cache)]
-        fns[f"numba paged {block_size}"] = (
-            lambda paged=paged, table=table: numba_flash.forward_kvcache(
-                q, *paged, cache_seqlens=lengths, block_table=table))
+        for backend in args.backends:
+            fns[f"{backend} paged {block_size}"] = (
+                lambda paged=paged, table=table, backend=backend: numba_flash.forward_kvcache(
+                    q, *paged, cache_seqlens=lengths, block_table=table, backend=backend))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k_cache, v_cache))
     for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                        ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
@@ -75,6 +84,9 @@ def main(argv=None):
                         choices=["float16", "bfloat16"])
     parser.add_argument("--caches", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--block-sizes", nargs="*", type=int, default=[16, 256])
+    parser.add_argument("--backends", nargs="+", default=["numba", "numba-simt"])
+    parser.add_argument("--splits", nargs="*", type=int, default=[],
+                        help="also run ours with these num_splits forced")
     parser.add_argument("--seqlen-q", type=int, default=1)
     parser.add_argument("--step-calls", type=int, default=20)
     parser.add_argument("--json", help="write the results here")

@@ -81,8 +81,10 @@ for stage in "$@"; do
                 python3 scripts/reliability.py sanitize-kvcache > "$OUT/sanitizer_kvcache.log" \
                 2>&1 || status=1
             tail -2 "$OUT/sanitizer_kvcache.log"
+            # (BENCH_DECODE_ARGS: e.g. "--caches 8192 32768 --splits 16 64")
             timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_decode.py \
-                --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" || status=1 ;;
+                ${BENCH_DECODE_ARGS:-} --json "$OUT/bench_decode.json" 2>&1 \
+                | tee "$OUT/bench_decode.log" || status=1 ;;
         ring)
             timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ring \
                 2>&1 | tee "$OUT/gpu_ring.log" | tail -4 || status=1 ;;

@@ -43,6 +43,9 @@ from numba_flash.backends.numba.decode.kernels import (  # noqa: E402
     decode_kernel, decode_shape)
 from numba_flash.backends.numba.decode.kernels import \
     shared_bytes as decode_shared_bytes  # noqa: E402
+from numba_flash.backends.numba.decode.tensor_cores import (  # noqa: E402
+    choose_stages, decode_kernel as tensor_core_decode_kernel,
+    shared_bytes as tensor_core_decode_bytes)
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
 from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
 from numba_flash.backends.numba.hopper.bwd_dk_dv import (  # noqa: E402
@@ -264,17 +267,21 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                        dq_bytes, (backward.threads, 1))
 
 
-def decode_kernel_cases(head_dims, dtypes):
+def decode_kernel_cases(head_dims, dtypes, cc):
     """The split-KV decode family (backends/numba/decode): the decode kernel of a plain and a
     variant spec (GQA 4, causal window, softcap, ALiBi), contiguous and paged, with cp.async
     loads (and, for the plain contiguous spec, plain ones), in the shape of one decoded token
     (the warps splitting the keys: "_keys"), and of many rows for the plain contiguous and
-    the variants' paged kernels ("_rows"); and the combine and append kernels."""
+    the variants' paged kernels ("_rows"); the tensor-core decode kernel of each spec and
+    layout (16-bit dtypes, head dims that are multiples of 16; "decode_mma_", its stages as
+    the target's shared memory allows); and the combine and append kernels."""
     f4, f5 = "float32[:, :, :, :]", "float32[:, :, :, :, :]"
     for dtype in dtypes:
         bf16 = dtype == "bfloat16"
         a4 = "float32[:, :, :, :]" if dtype == "float32" else "uint16[:, :, :, :]"  # (bits)
         for head_dim in head_dims:
+            yield (f"decode_combine_d{head_dim}_{dtype}", combine_kernel(bf16, head_dim).py_func,
+                   f"({f5}, {f4}, {a4}, float32[:, :, :])", 0)
             specs = [("plain", AttentionSpec(head_dim=head_dim, dtype=dtype)),
                      ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, group=4,
                                                 causal=True, window_left=256, softcap=30.0,
@@ -294,8 +301,14 @@ def decode_kernel_cases(head_dims, dtypes):
                                    f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, "
                                    f"{f5}, {f4}, float32, {slopes})",
                                    decode_shared_bytes(spec, shape))
-        yield (f"decode_combine_{dtype}", combine_kernel(bf16).py_func,
-               f"({f5}, {f4}, {a4}, float32[:, :, :])", 0)
+                    if dtype != "float32" and head_dim % 16 == 0:
+                        stages = choose_stages(head_dim, OPT_IN_SHARED_BYTES[cc])
+                        yield (f"decode_mma_d{head_dim}_{kind}_"
+                               f"{'paged' if paged else 'contiguous'}_{dtype}",
+                               tensor_core_decode_kernel(spec, paged, stages).py_func,
+                               f"({a4}, {a4}, {a4}, int32[:, :], int32[:], int32, int32, "
+                               f"{f5}, {f4}, float32, {slopes})",
+                               tensor_core_decode_bytes(head_dim, stages))
         for paged in (False, True):
             yield (f"decode_append_{'paged' if paged else 'contiguous'}_{dtype}",
                    append_kernel(paged).py_func,
@@ -328,7 +341,7 @@ def main(argv=None):
         if args.hopper:
             cases = list(hopper_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
         elif args.decode:
-            cases = list(decode_kernel_cases(args.head_dims, args.dtypes))
+            cases = list(decode_kernel_cases(args.head_dims, args.dtypes, cc))
         else:
             cases = list(kernel_cases(args.head_dims, args.dtypes, cc, args.all_configs,
                                       args.variants)) + list(

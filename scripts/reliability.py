@@ -196,7 +196,8 @@ def sanitize_hopper_stages(numba_flash, cp, torch):
 
 
 def sanitize_kvcache(numba_flash, cp, torch):
-    """forward_kvcache at odd sizes: head dim 72, contiguous and paged (block size 16, the
+    """forward_kvcache at odd sizes: head dim 72 (the SIMT kernel) and, for 16-bit dtypes,
+    80 through numba-mma (the tensor-core kernel), contiguous and paged (block size 16, the
     last block of a sequence partly used), empty and nearly full caches, three new tokens
     appended with causal, GQA 4, splits 1 and 3, every dtype."""
     rng = np.random.default_rng(3)
@@ -206,18 +207,20 @@ def sanitize_kvcache(numba_flash, cp, torch):
         return torch.from_dlpack(x).to(torch.bfloat16) if dtype == "bfloat16" else \
             x.astype(dtype)
     calls = 0
-    for dtype in ("float32", "float16", "bfloat16"):
+    runs = [(dtype, "numba", 72) for dtype in ("float32", "float16", "bfloat16")]
+    runs += [(dtype, "numba-mma", 80) for dtype in ("float16", "bfloat16")]
+    for dtype, backend, dim in runs:
         for paged in (False, True):
             pages, rows = (12, 16) if paged else (3, 64)
-            q, k_new, v_new = draw(3, 3, 8, 72), draw(3, 3, 2, 72), draw(3, 3, 2, 72)
-            k_cache, v_cache = draw(pages, rows, 2, 72), draw(pages, rows, 2, 72)
+            q, k_new, v_new = draw(3, 3, 8, dim), draw(3, 3, 2, dim), draw(3, 3, 2, dim)
+            k_cache, v_cache = draw(pages, rows, 2, dim), draw(pages, rows, 2, dim)
             table = (cp.asarray(rng.permutation(12).reshape(3, 4).astype(np.int32))
                      if paged else None)
             lengths = cp.asarray(np.array([0, 30, 61], np.int32))
             for splits in (1, 3):
                 numba_flash.forward_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                                             cache_seqlens=lengths, block_table=table,
-                                            causal=True, num_splits=splits, backend="numba")
+                                            causal=True, num_splits=splits, backend=backend)
                 calls += 1
     cp.cuda.Device().synchronize()
     print(f"sanitize-kvcache: {calls} calls done")

@@ -9,8 +9,9 @@ the first engine whose `reason(spec, q, k, v)` is None:
     the SIMT engine (simt/: float32, float16, bfloat16 on sm_80 and newer);
   - "numba-hopper", "numba-mma", "numba-simt": one engine only (for comparisons, benchmarks
     and tests).
-numba_flash.forward_kvcache runs on the split-KV decode kernels (decode/) on "numba" and
-"numba-simt".
+numba_flash.forward_kvcache runs on the split-KV decode kernels (decode/): on "numba" the
+tensor-core one for float16 and bfloat16 on sm_80 and newer (SIMT under the simulator), else the
+SIMT one; on "numba-mma" the tensor-core one, on "numba-simt" the SIMT one.
 
 They take device arrays (CuPy, torch, Numba, anything with __cuda_array_interface__) and launch
 on the caller's current stream. Under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, for
@@ -201,10 +202,11 @@ class NumbaMmaBackend(NumbaBackend):
     name = "numba-mma"
     dtypes = ("float16", "bfloat16")
     engines = (MmaEngine(run_in_simulator=True),)
-    decode = None
+    decode = DecodeEngine("tensor-cores")
 
 
 class NumbaSimtBackend(NumbaBackend):
     name = "numba-simt"
     dtypes = ("float16", "bfloat16", "float32")
     engines = (SimtEngine(),)
+    decode = DecodeEngine("simt")

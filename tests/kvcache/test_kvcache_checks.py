@@ -68,5 +68,21 @@ def test_a_block_size_not_a_multiple_of_16_is_refused(rng):
 
 def test_backends_without_kv_cache_kernels_say_so(rng):
     q, k_cache, v_cache, _ = _arrays(rng)
-    with pytest.raises(ValueError, match="numba-mma.*no KV-cache kernels"):
+    with pytest.raises(ValueError, match="numba-hopper.*no KV-cache kernels"):
+        numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=3,
+                                    backend="numba-hopper")
+
+
+def test_the_tensor_core_decode_kernel_says_what_it_takes(rng):
+    """numba-mma decodes on tensor cores alone: float32, and head dims that are not multiples
+    of 16, are refused with the reason (and nothing written)."""
+    q, k_cache, v_cache, (k, v) = _arrays(rng)
+    before = k_cache.copy()
+    with pytest.raises(ValueError, match="numba-mma.*dtype float32 is not supported"):
+        numba_flash.forward_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3,
+                                    backend="numba-mma")
+    np.testing.assert_array_equal(k_cache, before)
+    q, k_cache, v_cache = (np.concatenate([x, x[..., :4]], -1).astype(np.float16)
+                           for x in (q, k_cache, v_cache))
+    with pytest.raises(ValueError, match="numba-mma.*multiples of 16 up to 256; got 12"):
         numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=3, backend="numba-mma")

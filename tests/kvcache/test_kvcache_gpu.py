@@ -1,4 +1,5 @@
-"""forward_kvcache on a GPU at real sizes (`-m gpu`): the decode kernels (numba, numba-simt)
+"""forward_kvcache on a GPU at real sizes (`-m gpu`): the decode kernels (numba and numba-mma:
+tensor cores; numba-simt)
 against float64 attention over the appended caches by the accuracy rule (baseline: the cupy
 backend, float16 standard attention, or the plain 16-bit one for bfloat16), contiguous and
 paged (block sizes 16 and 256, permuted), splits chosen and forced, the caches equal to the
@@ -24,7 +25,7 @@ CASES = [  # (batch, seqlen_q, heads, kv_heads, capacity, new tokens, block size
 ]
 
 
-@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
+@pytest.mark.parametrize("backend", ["numba", "numba-mma", "numba-simt"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-q{c[1]}-H{c[2]}/{c[3]}-N{c[4]}-page"
                                              f"{c[6]}" for c in CASES])
@@ -73,3 +74,23 @@ def test_forward_kvcache_on_the_gpu(cp, rng, backend, dtype, case, num_splits):
     assert_within_rule("lse", got[1], base[1].get(), ref[1].get(), "float32")
     for written, want in ((args[1], want_k), (args[2], want_v)):
         assert bool(cp.all(cp.asarray(written.float()) == want))
+
+
+def test_a_cache_that_cp_async_cannot_read(cp, rng):
+    """Caches whose rows are not contiguous along the head dim: numba-mma refuses them before
+    the new tokens are written; numba decodes them on the SIMT kernel instead."""
+    def values(shape):
+        return cp.asarray(rng.standard_normal(shape), cp.float16)
+
+    q, wide = values((2, 1, 2, 128)), values((2, 64, 1, 256))
+    k_cache, v_cache = wide[..., ::2], wide[..., 1::2]  # (stride 2 along the head dim)
+    k_new, v_new = values((2, 1, 1, 128)), values((2, 1, 1, 128))
+    before = wide.copy()
+    with pytest.raises(ValueError, match="rows must be contiguous and 16-byte aligned"):
+        numba_flash.forward_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=3,
+                                    backend="numba-mma")
+    assert bool(cp.all(wide == before))
+    out, _ = numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=3, backend="numba")
+    want, _ = numba_flash.forward_kvcache(q, k_cache.copy(), v_cache.copy(), cache_seqlens=3,
+                                          backend="numba-mma")
+    np.testing.assert_allclose(out.get(), want.get(), rtol=0, atol=2e-3)

@@ -103,7 +103,12 @@ def test_the_decode_kernels_compiled(reports):
                 # (many rows: chunked prefill, speculative tokens)
                 assert (f"decode_d{head_dim}_plain_contiguous_{dtype}_async_rows", cc) in seen
                 assert (f"decode_d{head_dim}_variants_paged_{dtype}_async_rows", cc) in seen
-            assert (f"decode_combine_{dtype}", cc) in seen
+                if dtype != "float32":  # (the tensor-core kernel)
+                    for kind in ("plain", "variants"):
+                        for layout in ("contiguous", "paged"):
+                            assert (f"decode_mma_d{head_dim}_{kind}_{layout}_{dtype}",
+                                    cc) in seen
+            assert (f"decode_combine_d128_{dtype}", cc) in seen
             for layout in ("contiguous", "paged"):
                 assert (f"decode_append_{layout}_{dtype}", cc) in seen
 
@@ -160,6 +165,10 @@ def test_instructions_present(reports):
         if name.startswith("bwd_delta") or name.startswith("decode_combine") or \
                 name.startswith("decode_append") or name.startswith("hopper_"):  # (hopper:
             continue  # test_the_hopper_kernels_compiled_for_sm_90a)
+        if name.startswith("decode_mma_"):  # tensor cores fed by ldmatrix and cp.async
+            assert r["mma.sync"] > 0 and r["ldmatrix"] > 0 and r["cp.async.cg"] > 0, r
+            assert r["bar.sync"] > 0 and r["ex2.approx"] > 0, r
+            continue
         if name.startswith("decode_"):  # 16-byte reads of the key tiles, cp.async in _async
             assert r["bar.sync"] > 0 and r["ex2.approx"] > 0 and r["fma.rn.f32"] >= 16, r
             assert r["ld.shared.v4"] > 0 and (r["cp.async.cg"] > 0) == ("_async" in name), r

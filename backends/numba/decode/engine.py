@@ -1,9 +1,14 @@
-"""The decode engine: numba_flash.forward_kvcache on the split-KV kernels (kernels.py).
+"""The decode engine: numba_flash.forward_kvcache on the split-KV kernels.
 
-It appends the call's new tokens to the cache, picks the split of the key axis (flash-decoding:
-enough blocks to fill the GPU when batch x heads alone do not), runs the decode kernel into
-float32 partial results and combines them into out and lse.
+It appends the call's new tokens to the cache, picks the kernel (tensor_cores.py for float16
+and bfloat16 on sm_80 and newer where the cache rows suit cp.async, else kernels.py's SIMT
+one) and the split of the key axis (flash-decoding: enough blocks to fill the GPU when batch x
+heads alone do not), runs the decode kernel into float32 partial results and combines them
+into out and lse.
 """
+import functools
+import math
+
 import numpy as np
 
 from numba_flash import _arrays
@@ -13,6 +18,7 @@ from ..device.constants import LOG2E
 from ..gpu import (SHARED_MEMORY_BYTES, TENSOR_CORE_CC, compute_capability, shared_memory_limit,
                    simulator_enabled)
 from ..launch import launch
+from . import tensor_cores
 from .append import append_kernel
 from .combine import combine_kernel
 from .kernels import BLOCK_N, THREADS, WARPS, decode_kernel, decode_shape, shared_bytes
@@ -21,14 +27,22 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAX_SPLITS = 128
 #: keys a split reads at least (fewer makes the combine's traffic matter)
 MIN_KEYS_PER_SPLIT = 4 * BLOCK_N
-#: blocks in flight per multiprocessor the heuristic aims at (4-warp blocks, memory bound)
+#: blocks in flight per multiprocessor the heuristic aims at for the SIMT kernel (4-warp
+#: blocks, memory bound); the tensor-core kernel aims at the blocks that fit at once
 BLOCKS_PER_SM = 4
+#: blocks that fill this share of the slots take one split (choose_splits)
+FULL_ENOUGH = 0.8
+#: the fewest splits whose slots' busy share is within this factor of the best count's
+WAVE_SHARE = 0.85
 SIMULATOR_SMS = 4
 APPEND_BLOCKS = 1024
 
 
-def reason(spec, q):
-    """None if the decode kernels can serve the call, else why not."""
+def reason(spec, q, tensor_cores_only=False, run_in_simulator=False):
+    """None if the decode kernels can serve the call, else why not (tensor_cores_only: the
+    tensor-core kernel alone)."""
+    if tensor_cores_only:
+        return _tensor_core_reason(spec, q, run_in_simulator)
     if spec.dtype not in DTYPES:
         return f"the decode kernels take float16, bfloat16 or float32, not {spec.dtype}"
     need = shared_bytes(spec, decode_shape(spec, int(q.shape[1]) * spec.group))
@@ -43,21 +57,61 @@ def reason(spec, q):
     return None
 
 
-def multiprocessors(q):
+def _tensor_core_reason(spec, q, run_in_simulator):
+    """None if the tensor-core decode kernel can serve the call (cache rows aside: those are
+    the call's to check, _async_copy), else why not."""
+    if spec.dtype not in ("float16", "bfloat16"):
+        return f"the tensor-core decode kernel takes float16 or bfloat16, not {spec.dtype}"
+    if spec.head_dim % 16 or spec.head_dim > tensor_cores.MAX_HEAD_DIM:
+        return (f"the tensor-core decode kernel takes head dims that are multiples of 16 up to "
+                f"{tensor_cores.MAX_HEAD_DIM}; got {spec.head_dim}")
     if simulator_enabled():
-        return SIMULATOR_SMS
+        return None if run_in_simulator else "under the simulator the SIMT kernel decodes"
+    if compute_capability(_arrays.device_id(q)) < TENSOR_CORE_CC:
+        return "the tensor-core decode kernel needs compute capability 8.0 or newer"
+    if _tensor_core_stages(spec, q) is None:
+        return (f"the tensor-core decode kernel's two stages need "
+                f"{tensor_cores.shared_bytes(spec.head_dim, 2)} bytes of shared memory at head "
+                f"dim {spec.head_dim}; this GPU gives a block "
+                f"{shared_memory_limit(_arrays.device_id(q))}")
+    return None
+
+
+def _tensor_core_stages(spec, q):
+    limit = (tensor_cores.shared_bytes(spec.head_dim, tensor_cores.MAX_STAGES)
+             if simulator_enabled() else shared_memory_limit(_arrays.device_id(q)))
+    return tensor_cores.choose_stages(spec.head_dim, limit)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_id):
     from numba import cuda
-    with cuda.gpus[_arrays.device_id(q)]:
+    with cuda.gpus[device_id]:
         return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-def choose_splits(blocks, visible_keys, sm_count):
+def multiprocessors(q):
+    if simulator_enabled():
+        return SIMULATOR_SMS
+    return _multiprocessors(_arrays.device_id(q))
+
+
+def choose_splits(blocks, visible_keys, sm_count, blocks_per_sm=BLOCKS_PER_SM):
     """Splits of the key axis for `blocks` blocks per split reading up to `visible_keys` keys
-    each: one when the blocks fill the GPU, else as many as bring them to BLOCKS_PER_SM per
-    multiprocessor, each split keeping MIN_KEYS_PER_SPLIT keys or more."""
-    wanted = -(-BLOCKS_PER_SM * sm_count // max(blocks, 1))
+    each, each split keeping MIN_KEYS_PER_SPLIT keys or more: one when the blocks nearly fill
+    the GPU's blocks_per_sm x sm_count slots at once, else the fewest whose last wave of
+    blocks is about as full as the best count makes it (within WAVE_SHARE of the best
+    share: waves of blocks that leave most slots idle cost a wave's time all the same)."""
+    slots = blocks_per_sm * sm_count
     most = max(1, min(MAX_SPLITS, visible_keys // MIN_KEYS_PER_SPLIT))
-    return max(1, min(wanted, most))
+    if blocks >= FULL_ENOUGH * slots:
+        return 1
+
+    def share(splits):  # (the busy share of the slots over the waves these blocks take)
+        waves = blocks * splits / slots
+        return waves / math.ceil(waves)
+    best = max(share(n) for n in range(1, most + 1))
+    return next(n for n in range(1, most + 1) if share(n) >= WAVE_SHARE * best)
 
 
 def visible_keys(spec, seqlen_q, max_seqlen_k):
@@ -67,14 +121,20 @@ def visible_keys(spec, seqlen_q, max_seqlen_k):
     return max_seqlen_k
 
 
-def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
+def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="auto"):
     """Append cache.k_new / v_new (if any), then attention of q over each sequence's cache
-    into out and lse (the backend's arrays)."""
+    into out and lse (the backend's arrays); `kernels` as DecodeEngine's."""
     batch, seqlen_q, nheads, head_dim = (int(s) for s in q.shape)
     nheads_kv = int(cache.k_cache.shape[2])
     paged = cache.block_table is not None
     bits = spec.dtype != "float32"  # (the kernels take 16-bit elements as bit patterns)
     k_cache, v_cache = (marshal.view(x, bits=bits) for x in (cache.k_cache, cache.v_cache))
+    async_copy = _async_copy(spec, q, k_cache, v_cache)
+    tensor = kernels != "simt" and async_copy and _tensor_core_reason(
+        spec, q, run_in_simulator=kernels == "tensor-cores") is None
+    if kernels == "tensor-cores" and not tensor:
+        raise ValueError("the tensor-core decode kernel reads k_cache and v_cache by cp.async: "
+                         "their rows must be contiguous and 16-byte aligned")
     lse_view = marshal.view(lse)
     # (one-element stand-ins of the arrays' types where the call has none: never read)
     block_table = marshal.view(cache.block_table if paged else alloc((1, 1), "int32"))
@@ -91,26 +151,38 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras):
                    stream, 0, k_new, v_new, k_cache, v_cache, block_table, seqlens, fixed)
         if simulator_enabled():  # (the simulator's views of host arrays may be copies)
             _write_back(cache, k_cache, v_cache, bits)
-    q_view = marshal.view(q, bits)
 
-    shape = decode_shape(spec, seqlen_q * spec.group)
-    row_tiles = -(-seqlen_q * spec.group // shape.rows)
+    sm_count = multiprocessors(q)
+    if tensor:
+        stages = _tensor_core_stages(spec, q)
+        kernel = tensor_cores.decode_kernel(spec.for_kernels(), paged, stages)
+        rows, threads = tensor_cores.ROWS, tensor_cores.THREADS
+        shared = tensor_cores.shared_bytes(head_dim, stages)
+        q_view = marshal.tile_ready_input(q, alloc, head_dim, stream, bits=True)
+        limit = (shared_memory_limit(_arrays.device_id(q)) if not simulator_enabled()
+                 else shared)
+        blocks_per_sm = max(1, (limit + 1024) // (shared + 1024))
+    else:
+        shape = decode_shape(spec, seqlen_q * spec.group)
+        kernel = decode_kernel(spec.for_kernels(), paged, async_copy, shape)
+        rows, threads, shared = shape.rows, THREADS, shared_bytes(spec, shape)
+        q_view = marshal.view(q, bits)
+        blocks_per_sm = BLOCKS_PER_SM
+    row_tiles = -(-seqlen_q * spec.group // rows)
     blocks = row_tiles * nheads_kv * batch
     splits = cache.num_splits or choose_splits(
-        blocks, visible_keys(spec, seqlen_q, cache.max_seqlen_k), multiprocessors(q))
+        blocks, visible_keys(spec, seqlen_q, cache.max_seqlen_k), sm_count, blocks_per_sm)
     out_part = marshal.view(alloc((splits, batch, seqlen_q, nheads, head_dim), "float32"))
     lse_part = marshal.view(alloc((splits, batch, nheads, seqlen_q), "float32"))
     slopes = lse_view
     if spec.alibi:
         slopes = marshal.broadcast(marshal.view(extras.alibi_slopes), (batch, nheads))
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
-    async_copy = _async_copy(spec, q, k_cache, v_cache)
-    launch(decode_kernel(spec.for_kernels(), paged, async_copy, shape),
-           (splits * row_tiles, nheads_kv, batch), THREADS, stream, shared_bytes(spec, shape),
-           q_view, k_cache, v_cache, block_table,
-           seqlens, fixed, np.int32(new_tokens), out_part, lse_part, scale_log2, slopes)
-    launch(combine_kernel(spec.bf16), -(-batch * seqlen_q * nheads // WARPS), THREADS, stream,
-           0, out_part, lse_part, marshal.view(out, spec.bf16), lse_view)
+    launch(kernel, (splits * row_tiles, nheads_kv, batch), threads, stream, shared,
+           q_view, k_cache, v_cache, block_table, seqlens, fixed, np.int32(new_tokens), out_part,
+           lse_part, scale_log2, slopes)
+    launch(combine_kernel(spec.bf16, head_dim), -(-batch * seqlen_q * nheads // WARPS), THREADS,
+           stream, 0, out_part, lse_part, marshal.view(out, spec.bf16), lse_view)
 
 
 def _async_copy(spec, q, k_view, v_view):
@@ -138,11 +210,23 @@ def _write_back(cache, k_view, v_view, bits):
 
 
 class DecodeEngine:
-    """The KV-cache engine of the numba and numba-simt backends (NumbaBackend.decode): the
-    Engine contract's reason and, for numba_flash.forward_kvcache, forward_kvcache."""
+    """The KV-cache engine of the Numba backends (NumbaBackend.decode): the Engine contract's
+    reason and, for numba_flash.forward_kvcache, forward_kvcache. `kernels`: "auto" (the
+    tensor-core kernel where it serves the call, else SIMT; SIMT alone under the simulator),
+    "simt" or "tensor-cores" (that kernel alone, under the simulator too)."""
     name = "split-KV decode"
-    reason = staticmethod(reason)
-    forward_kvcache = staticmethod(forward_kvcache)
+
+    def __init__(self, kernels="auto"):
+        if kernels not in ("auto", "simt", "tensor-cores"):
+            raise ValueError(f"kernels: 'auto', 'simt' or 'tensor-cores', not {kernels!r}")
+        self.kernels = kernels
+
+    def reason(self, spec, q):
+        return reason(spec, q, tensor_cores_only=self.kernels == "tensor-cores",
+                      run_in_simulator=True)
+
+    def forward_kvcache(self, spec, q, cache, out, lse, alloc, stream, extras):
+        forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, self.kernels)
 
     def __repr__(self):
-        return f"<numba_flash engine {self.name!r}>"
+        return f"<numba_flash engine {self.name!r} ({self.kernels})>"

@@ -36,13 +36,13 @@ from numba import cuda, float32, uint16
 
 from ..device.bits16 import bf16_bits_to_float32, f16_bits_to_float32
 from ..device.constants import NEG_INF, ZERO
-from ..device.intrinsics import (SHARED_ALIGN, bits_of_float32, cp_async_16, exp2,
-                                 load_f32x4, shared_tile, shfl_xor, syncwarp, unpack_bf16x2,
-                                 unpack_f16x2)
+from ..device.intrinsics import (SHARED_ALIGN, bits_of_float32, cp_async_16, load_f32x4,
+                                 shared_tile, shfl_xor, syncwarp, unpack_bf16x2, unpack_f16x2)
 from ..device.mask import make_mask
 from ..device.score_mod import make_score_mod
 from ..device.softmax import finalize, online_update, probability
 from ..device.tile_copy import copy_fences
+from .blocks import make_block_work, make_partials_merge, make_row_store
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -175,7 +175,6 @@ def decode_kernel(spec, paged, async_copy, shape):
     MERGE_L = MERGE_M + 4 * KEY_WARPS * ROWS
     MERGE_ACC = MERGE_L + 4 * KEY_WARPS * ROWS
     MERGE_ROWS = KEY_WARPS * ROWS
-    LEFT, RIGHT = spec.window_left, spec.window_right
     element, decode, unpack = _element(spec)
     commit_loads, wait_older_loads = copy_fences(async_copy, keep_newest=True)
     wait_loads = copy_fences(async_copy)[1]
@@ -185,6 +184,9 @@ def decode_kernel(spec, paged, async_copy, shape):
                                                   score_mod.scales)
     head_slope = score_mod.head_slope
     ACC_SHAPE = (ROWS_PER_WARP, OUT_COLS)
+    block_work = make_block_work(spec, ROWS, BLOCK_KEYS)
+    store_row = make_row_store(D, GROUP)
+    merge_rows = make_partials_merge(D, GROUP, ROWS, KEY_WARPS, WARPS)
 
     @cuda.jit(device=True, inline="always")
     def location(block_table, b, key, block_size):
@@ -217,44 +219,15 @@ def decode_kernel(spec, paged, async_copy, shape):
                 k_tile[row0 + j, c] = value_k
                 v_tile[row0 + j, c] = value_v
 
-    @cuda.jit(device=True, inline="always")
-    def store_row(out_part, lse_part, split, b, h_kv, row, acc, i, inv_l, lse_row, lane):
-        """Row `row` (token row // GROUP, head h_kv·GROUP + row % GROUP) of this split's
-        output, acc[i, :] (lane = column) times inv_l, and its lse."""
-        t_row, h = row // GROUP, h_kv * GROUP + row % GROUP
-        for c in range(OUT_COLS):
-            col = lane + 32 * c
-            if col < D:
-                out_part[split, b, t_row, h, col] = acc[i, c] * inv_l
-        if lane == 0:
-            lse_part[split, b, h, t_row] = lse_row
-
     def flash_decode(q, k_cache, v_cache, block_table, cache_seqlens, fixed_seqlen, new_tokens,
                      out_part, lse_part, scale_log2, alibi_slopes):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
-        splits = out_part.shape[0]
-        row_tiles = cuda.gridDim.x // splits
-        split, row_tile = cuda.blockIdx.x // row_tiles, cuda.blockIdx.x % row_tiles
-        h_kv, b = cuda.blockIdx.y, cuda.blockIdx.z
-        seqlen_q = q.shape[1]
-        n_rows = seqlen_q * GROUP
-        seqlen_k = (fixed_seqlen if fixed_seqlen >= 0 else cache_seqlens[b]) + new_tokens
-        offset = seqlen_k - seqlen_q
+        # The block's rows, and the keys they see: this split's share in whole tiles.
+        (split, b, h_kv, r0, n_rows, seqlen_k, offset, n_begin, n_end,
+         n_tiles) = block_work(q, cache_seqlens, fixed_seqlen, new_tokens, out_part.shape[0])
         tile_scale, pre = exponent_scales(scale_log2)
         mask_at = (lse_part, b, h_kv, ())  # (no attn_mask or mask_mod here: never read)
-
-        # The keys this block's rows can see, and this split's share of them in whole tiles.
-        r0 = row_tile * ROWS
-        t_first, t_last = r0 // GROUP, min(seqlen_q - 1, (r0 + ROWS - 1) // GROUP)
-        lo = max(0, t_first + offset - LEFT) if LEFT >= 0 else 0
-        hi = min(seqlen_k, t_last + offset + RIGHT + 1) if RIGHT >= 0 else seqlen_k
-        n_lo = lo // BLOCK_KEYS * BLOCK_KEYS
-        tiles = max(0, -(-(hi - n_lo) // BLOCK_KEYS))
-        per_split = -(-tiles // splits)
-        n_begin = n_lo + split * per_split * BLOCK_KEYS
-        n_end = min(hi, n_begin + per_split * BLOCK_KEYS)
-        n_tiles = max(0, -(-(n_end - n_begin) // BLOCK_KEYS))
 
         smem = cuda.shared.array(0, float32, SHARED_ALIGN)
         q_rows = shared_tile(smem, 0, ROWS, COLS, float32)
@@ -382,25 +355,7 @@ def decode_kernel(spec, paged, async_copy, shape):
                     if col < COLS:
                         merged_acc[key_warp * ROWS + r, col] = acc[i, c]
             cuda.syncthreads()  # why: every warp's partial results are in shared memory
-            for r in range(warp, ROWS, WARPS):  # (row r: warp r % WARPS)
-                if r0 + r < n_rows:
-                    m_row = NEG_INF
-                    for w in range(KEY_WARPS):
-                        m_row = max(m_row, merged_m[w, r])
-                    m_ref = m_row if m_row != NEG_INF else ZERO  # (no key seen: weights 0)
-                    l_row = ZERO
-                    for w in range(KEY_WARPS):
-                        l_row += merged_l[w, r] * exp2(merged_m[w, r] - m_ref)
-                    inv_l, lse_row = finalize(l_row, m_row)
-                    for c in range(OUT_COLS):
-                        col = lane + 32 * c
-                        value = ZERO
-                        if col < COLS:
-                            for w in range(KEY_WARPS):
-                                weight = exp2(merged_m[w, r] - m_ref)
-                                value += merged_acc[w * ROWS + r, col] * weight
-                        acc[0, c] = value
-                    store_row(out_part, lse_part, split, b, h_kv, r0 + r, acc, 0, inv_l,
-                              lse_row, lane)
+            merge_rows(out_part, lse_part, split, b, h_kv, r0, n_rows, merged_m, merged_l,
+                       merged_acc, acc)
 
     return cuda.jit(flash_decode, cache=True)

@@ -16,7 +16,7 @@ from numba import cuda, float32, uint32
 
 from ..device.fragments import make_pack_chunk
 from ..device.intrinsics import (ldmatrix_x4_at, ldmatrix_x4_trans_at, mma_bf16, mma_f16,
-                                 shared_address)
+                                 opaque, shared_address)
 from .config import MMA_SHARED_MEMORY_BYTES
 
 
@@ -104,6 +104,25 @@ def make_warp_scores(bf16, slices, nb_count, kd_count, row_halves, a_in_register
                             acc[sl, nb + half, r] = d[r]
 
     return scores
+
+
+@functools.lru_cache(maxsize=None)
+def make_q_scores(bf16, slices, nb_count, kd_count, row_halves, q_in_registers):
+    """q_scores(s, q_frag, q_lane, k_at): make_warp_scores' S = Q Kᵀ with Q's A fragments
+    taken from q_frag (q_in_registers) or read at q_lane (x4_address of the Q tile, passed
+    through opaque here: see the comment above the loops)."""
+    scores = make_warp_scores(bf16, slices, nb_count, kd_count, row_halves, q_in_registers)
+
+    if q_in_registers:
+        @cuda.jit(device=True, inline="always")
+        def q_scores(s, q_frag, q_lane, k_at):
+            scores(s, q_frag, k_at)
+    else:
+        @cuda.jit(device=True, inline="always")
+        def q_scores(s, q_frag, q_lane, k_at):
+            scores(s, opaque(q_lane), k_at)
+
+    return q_scores
 
 
 @functools.lru_cache(maxsize=None)

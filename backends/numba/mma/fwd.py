@@ -49,7 +49,7 @@ from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import ROW_PAD, mma_forward_config, mma_forward_shared_bytes
 from .fragments import (WARP, b_address, check_rows_contiguous, check_shared_bytes,
-                        make_warp_accumulate, make_warp_scores, x4_address)
+                        make_q_scores, make_warp_accumulate, x4_address)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,18 +79,10 @@ def mma_forward_kernel_function(config, spec):
     ACC_SHAPE, S_SHAPE = (SL, DB, 4), (SL, NB, 4)
 
     load_tile = make_cp_async_loader(D, THREADS)
-    scores = make_warp_scores(spec.bf16, SL, NB, KD, ROW, Q_IN_REGISTERS)
+    q_scores = make_q_scores(spec.bf16, SL, NB, KD, ROW, Q_IN_REGISTERS)
     accumulate_pv = make_warp_accumulate(spec.bf16, SL, NB // 2, DB, ROW)
     store = make_fragment_store(spec.bf16, DB)
 
-    if Q_IN_REGISTERS:
-        @cuda.jit(device=True, inline="always")
-        def q_scores(s, q_frag, q_lane, k_at):
-            scores(s, q_frag, k_at)
-    else:
-        @cuda.jit(device=True, inline="always")
-        def q_scores(s, q_frag, q_lane, k_at):
-            scores(s, opaque(q_lane), k_at)  # (opaque: see the loop's first comment)
     softmax_step = make_tile_softmax(spec, NB, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
