@@ -10,12 +10,20 @@ and its FlashAttention wrapper (`flash_attention_forward`) un-pads a padded batc
 sequences, finds packed sequences from position_ids, passes causal, GQA, the sliding window
 (as flash-attn's `window_size`) and Gemma 2's softcap, and calls the implementation's
 `flash_attn_func` / `flash_attn_varlen_func`. `register()` makes "numba_flash" such a kernel,
-backed by numba_flash.torch: it registers that wrapper and that mask under the name, and
+backed by numba_flash.torch: it registers that wrapper (behind `attention_forward`, below)
+and that mask under the name, and
 answers transformers' import of the kernel's functions (`_lazy_imports` in
 transformers.modeling_flash_attention_utils, which would otherwise look for "numba_flash" on
 the Hugging Face hub) with this module's `flash_attn_func` and `flash_attn_varlen_func`,
 which take flash-attn's arguments. No paged-cache function (`flash_attn_with_kvcache`):
 transformers' continuous batching does not take this implementation.
+
+At batch 1 without a padding mask that wrapper asks, in every layer, whether position_ids
+describe several packed sequences, by reading them on the host (`_is_packed_sequence`): a
+synchronisation per layer, after which the host no longer launches ahead of the GPU.
+`attention_forward` asks once per position_ids tensor (a model passes one to all its
+layers) and, for one plain sequence, leaves position_ids out of the wrapper's call, which
+then takes the dense path without asking.
 
 Dropout inside attention (`attention_dropout` > 0 while training) and attention sinks
 (`s_aux`) are refused: numba_flash has neither yet. Tested with transformers 5.2x.
@@ -23,6 +31,7 @@ Dropout inside attention (`attention_dropout` > 0 while training) and attention 
 import functools
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface, modeling_flash_attention_utils
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -39,11 +48,39 @@ def register(backend="auto"):
     from numba_flash import registry
     registry._check_name(backend)
     _settings["backend"] = backend
-    AttentionInterface.register(NAME, flash_attention_forward)
+    AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     imports = modeling_flash_attention_utils._lazy_imports
     if not getattr(imports, "_numba_flash", False):
         modeling_flash_attention_utils._lazy_imports = _answering_for_us(imports)
+
+
+#: {position_ids tensor: (its version, whether it describes packed sequences)}, keyed by
+#: identity (a plain WeakKeyDictionary compares keys with ==, elementwise for tensors)
+_packed_answers = WeakTensorKeyDictionary()
+
+
+def attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers' flash_attention_forward, asking whether position_ids describe packed
+    sequences once per position_ids tensor instead of once per layer (see the module's
+    docstring); the same answer, so the same path and result."""
+    position_ids = kwargs.get("position_ids")
+    if (position_ids is not None and query.shape[0] == 1 and attention_mask is None
+            and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling()
+            and not _packed(position_ids)):
+        kwargs = dict(kwargs, position_ids=None)
+    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _packed(position_ids):
+    """transformers' own test (_is_packed_sequence, one host read), cached per tensor and
+    version (a tensor written in place is asked again)."""
+    known = _packed_answers.get(position_ids)
+    if known is not None and known[0] == position_ids._version:
+        return known[1]
+    packed = bool(modeling_flash_attention_utils._is_packed_sequence(position_ids, 1))
+    _packed_answers[position_ids] = (position_ids._version, packed)
+    return packed
 
 
 def _answering_for_us(original):

@@ -126,6 +126,38 @@ def test_greedy_generation_gives_the_references_tokens(registered, rng, name):
     assert torch.equal(got, want)
 
 
+def test_a_single_sequence_is_asked_about_packing_once_per_forward(registered, monkeypatch):
+    """Batch 1, no padding: transformers' packed-sequence test (a host read) runs once per
+    forward, not once per layer, and the model takes the path it took before (the same
+    logits); position_ids of two packed sequences still take the varlen path."""
+    from transformers import modeling_flash_attention_utils as utils
+    from transformers.integrations.flash_attention import flash_attention_forward
+    registered("numpy")
+    model, = _models("llama-gqa", ["numba_flash"], torch.float64)
+    reads, packed_paths = [], []
+    ask, prepare = utils._is_packed_sequence, utils._prepare_from_posids
+
+    def asking(position_ids, batch_size):  # (counts the calls that read the values)
+        if position_ids is not None and batch_size == 1 and position_ids.shape[-1] > 1:
+            reads.append(position_ids)
+        return ask(position_ids, batch_size)
+    monkeypatch.setattr(utils, "_is_packed_sequence", asking)
+    monkeypatch.setattr(utils, "_prepare_from_posids", lambda *args: (
+        packed_paths.append(1) or prepare(*args)))
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(1))
+    got = model(ids).logits
+    assert model.config.num_hidden_layers == 2 and len(reads) == 1 and not packed_paths
+    # transformers' wrapper alone (as registered before): it asks in every layer
+    transformers.AttentionInterface.register("numba_flash", flash_attention_forward)
+    want = model(ids).logits
+    assert len(reads) == 1 + model.config.num_hidden_layers
+    assert torch.equal(got, want)
+    registered("numpy")
+    positions = torch.cat([torch.arange(5), torch.arange(SEQLEN - 5)])[None]
+    model(ids, position_ids=positions)
+    assert len(packed_paths) == model.config.num_hidden_layers
+
+
 def test_the_flash_functions_refuse_dropout_sinks_and_bad_backends():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="dropout_p must be 0.0: numba_flash has no attention "
