@@ -61,7 +61,7 @@ class NumbaBackend(Backend):
     def supports_kvcache(self, spec, q, k_cache):
         if self.decode is None:
             return "it has no KV-cache kernels (the numba and numba-simt backends do)"
-        return self._takes(spec, q) or self.decode.reason(spec, q)
+        return self._takes(spec, q) or self.decode.reason(spec, q, k_cache)
 
     def _takes(self, spec, q):
         """None if the kernels run here and take q's batch, dtype and kind of array."""

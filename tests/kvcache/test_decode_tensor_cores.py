@@ -18,12 +18,23 @@ def test_one_token_of_a_gqa_group_with_each_split(rng):
     _check("float16", arrays, {}, backend="numba-mma", splits=(0, 1, 2))
 
 
-def test_each_warp_reuses_its_stages(rng):
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_each_warp_reuses_its_stages(rng, monkeypatch, stages):
     """304 keys in one split: 19 tiles of 16 keys over 4 warps, 5 for warp 0 through its
-    stages (MAX_STAGES at this head dim) and around again."""
-    assert tensor_cores.choose_stages(16, 1 << 20) == tensor_cores.MAX_STAGES
+    stages and around again, at each pipeline depth a GPU may get (4 at d64 on sm_90, 3 at
+    d128, 2 where shared memory is short)."""
+    from numba_flash.backends.numba.decode import engine
+    monkeypatch.setattr(engine, "_tensor_core_stages", lambda spec, q: stages)
     arrays = _make(rng, "float16", 1, 1, 1, 1, 304, 0, paged=False, full_first=True)
     _check("float16", arrays, dict(causal=True), backend="numba-mma", splits=(1,))
+
+
+def test_the_stages_fit_two_blocks_where_they_can():
+    assert tensor_cores.choose_stages(16, 1 << 20) == tensor_cores.MAX_STAGES
+    assert tensor_cores.choose_stages(128, 227 * 1024) == 3  # (sm_90: two 106 KiB blocks)
+    assert tensor_cores.choose_stages(64, 227 * 1024) == 4
+    assert tensor_cores.choose_stages(256, 227 * 1024) == 3  # (one block)
+    assert tensor_cores.choose_stages(256, 99 * 1024) is None
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -48,13 +48,12 @@ def combine_kernel(bf16, head_dim):
             for u in range(SPLITS_PER_STEP):
                 s = s0 + u
                 if s < splits:
-                    part = lse_part[s, b, h, t]
-                    if part != NEG_INF:  # (a split without keys: weight 0, output unread)
-                        weight = math.exp(part - ref) * inv_total
-                        for c in range(OUT_COLS):
-                            col = lane + 32 * c
-                            if col < D:
-                                acc[c] += weight * out_part[s, b, t, h, col]
+                    # (a split without keys: weight exp(-inf) = 0, its output rows zeros)
+                    weight = math.exp(lse_part[s, b, h, t] - ref) * inv_total
+                    for c in range(OUT_COLS):
+                        col = lane + 32 * c
+                        if col < D:
+                            acc[c] += weight * out_part[s, b, t, h, col]
         for c in range(OUT_COLS):
             col = lane + 32 * c
             if col < D:

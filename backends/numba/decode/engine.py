@@ -38,11 +38,21 @@ SIMULATOR_SMS = 4
 APPEND_BLOCKS = 1024
 
 
-def reason(spec, q, tensor_cores_only=False, run_in_simulator=False):
-    """None if the decode kernels can serve the call, else why not (tensor_cores_only: the
-    tensor-core kernel alone)."""
-    if tensor_cores_only:
-        return _tensor_core_reason(spec, q, run_in_simulator)
+def reason(spec, q, k_cache=None, kernels="auto"):
+    """None if the decode kernels (`kernels` as DecodeEngine's) can serve the call, else why
+    not; "auto" with k_cache given: the tensor-core kernel where it serves the call and can
+    read k_cache, else the SIMT one."""
+    if kernels == "tensor-cores":
+        return _tensor_core_reason(spec, q, run_in_simulator=True)
+    if (kernels == "auto" and k_cache is not None
+            and _tensor_core_reason(spec, q, run_in_simulator=False) is None
+            and _async_copy(spec, q, marshal.view(k_cache, bits=True))):
+        return None
+    return _simt_reason(spec, q)
+
+
+def _simt_reason(spec, q):
+    """None if the SIMT decode kernel can serve the call, else why not."""
     if spec.dtype not in DTYPES:
         return f"the decode kernels take float16, bfloat16 or float32, not {spec.dtype}"
     need = shared_bytes(spec, decode_shape(spec, int(q.shape[1]) * spec.group))
@@ -130,11 +140,14 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="au
     bits = spec.dtype != "float32"  # (the kernels take 16-bit elements as bit patterns)
     k_cache, v_cache = (marshal.view(x, bits=bits) for x in (cache.k_cache, cache.v_cache))
     async_copy = _async_copy(spec, q, k_cache, v_cache)
-    tensor = kernels != "simt" and async_copy and _tensor_core_reason(
-        spec, q, run_in_simulator=kernels == "tensor-cores") is None
-    if kernels == "tensor-cores" and not tensor:
-        raise ValueError("the tensor-core decode kernel reads k_cache and v_cache by cp.async: "
-                         "their rows must be contiguous and 16-byte aligned")
+    refusal = (_tensor_core_reason(spec, q, run_in_simulator=kernels == "tensor-cores")
+               if kernels != "simt" else "")
+    tensor = async_copy and refusal is None
+    if kernels == "tensor-cores" and not tensor:  # (before anything is written)
+        raise ValueError(refusal or "the tensor-core decode kernel reads k_cache and v_cache "
+                         "by cp.async: their rows must be contiguous and 16-byte aligned")
+    if not tensor and _simt_reason(spec, q):
+        raise ValueError(_simt_reason(spec, q))
     lse_view = marshal.view(lse)
     # (one-element stand-ins of the arrays' types where the call has none: never read)
     block_table = marshal.view(cache.block_table if paged else alloc((1, 1), "int32"))
@@ -185,7 +198,7 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="au
            stream, 0, out_part, lse_part, marshal.view(out, spec.bf16), lse_view)
 
 
-def _async_copy(spec, q, k_view, v_view):
+def _async_copy(spec, q, *cache_views):
     """Whether cp.async can read the caches' rows: sm_80 or newer (or the simulator), rows of
     whole 16-byte chunks, 16-byte aligned, contiguous along the head dim."""
     item = 4 if spec.dtype == "float32" else 2
@@ -193,7 +206,7 @@ def _async_copy(spec, q, k_view, v_view):
         return False
     if not simulator_enabled() and compute_capability(_arrays.device_id(q)) < TENSOR_CORE_CC:
         return False
-    return all(marshal.is_tile_ready(x, spec.head_dim) for x in (k_view, v_view))
+    return all(marshal.is_tile_ready(x, spec.head_dim) for x in cache_views)
 
 
 def _write_back(cache, k_view, v_view, bits):
@@ -221,9 +234,8 @@ class DecodeEngine:
             raise ValueError(f"kernels: 'auto', 'simt' or 'tensor-cores', not {kernels!r}")
         self.kernels = kernels
 
-    def reason(self, spec, q):
-        return reason(spec, q, tensor_cores_only=self.kernels == "tensor-cores",
-                      run_in_simulator=True)
+    def reason(self, spec, q, k_cache=None):
+        return reason(spec, q, k_cache, self.kernels)
 
     def forward_kvcache(self, spec, q, cache, out, lse, alloc, stream, extras):
         forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, self.kernels)

@@ -48,13 +48,19 @@ def row_halves(head_dim):
     return head_dim + ROW_PAD
 
 
+def merge_columns(head_dim):
+    """Floats per row of the warps' partial outputs in shared memory: head_dim and 4 more, so
+    that the 8 rows a warp's lanes store at once (g = lane // 4) fall on distinct banks."""
+    return head_dim + 4
+
+
 def shared_bytes(head_dim, stages):
     """Dynamic shared memory: the Q rows, then each warp's `stages` K tiles and V tiles (16-bit,
     rows padded by ROW_PAD halves); the warps' partial results for the merge (float32 max and
     sum per warp and row, an output row per warp and row) reuse the tiles' bytes."""
     row_bytes = 2 * row_halves(head_dim)
     tiles = 2 * WARPS * stages * WARP_KEYS * row_bytes
-    merge = 4 * WARPS * ROWS * (2 + head_dim)
+    merge = 4 * WARPS * ROWS * (2 + merge_columns(head_dim))
     return ROWS * row_bytes + max(tiles, merge)
 
 
@@ -86,6 +92,7 @@ def decode_kernel(spec, paged, stages):
     IN_FLIGHT = stages - 1  # commit groups a warp leaves in flight while it reads a tile
     MERGE_ROWS = WARPS * ROWS
     VALUES_SHAPE = (1, -(-D // 32))  # (a merged row's values: lane + 32·c)
+    MERGE_COLS = merge_columns(D)
     K_START = 2 * ROWS * ROW
     V_START = K_START + WARPS * stages * TILE_BYTES
     MERGE_M = K_START  # (after the loop: the stages' bytes)
@@ -241,7 +248,7 @@ def decode_kernel(spec, paged, stages):
         # merged over the warps (blocks.py).
         merged_m = shared_tile(smem, MERGE_M, WARPS, ROWS, float32)
         merged_l = shared_tile(smem, MERGE_L, WARPS, ROWS, float32)
-        merged_acc = shared_tile(smem, MERGE_ACC, MERGE_ROWS, D, float32)
+        merged_acc = shared_tile(smem, MERGE_ACC, MERGE_ROWS, MERGE_COLS, float32)
         t = lane % 4
         for half in range(2):
             l_row = l_i[0, half]
