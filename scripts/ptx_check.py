@@ -124,9 +124,17 @@ VARIANTS = dict(causal=True, window_left=256, softcap=30.0, group=4, alibi=True,
 #: the variants with a floating attn_mask of q's dtype instead of varlen (which takes no
 #: attn_mask)
 MASKED = dict(VARIANTS, varlen=False)
+#: a boolean mask with the variants that leave the Hopper forward its plain tiles (all but
+#: varlen, and ALiBi beside softcap: hopper/config.py)
+BOOL_MASKED = dict(MASKED, alibi=False)
 #: a document mask_mod with causal, softcap and GQA (Gemma 2's variants; with every variant
 #: at once the dK/dV kernels spill: docs/KERNEL_NOTES.md, "mask_mod")
 MASK_MODDED = dict(causal=True, softcap=30.0, group=4, mask_mod=document_mask)
+
+
+def mask_type(dtype):
+    """The kernels' element type of a floating attn_mask of q's dtype (bfloat16: its bits)."""
+    return "uint16" if dtype == "bfloat16" else dtype
 
 
 def _specs(head_dim, dtype, variants):
@@ -137,7 +145,7 @@ def _specs(head_dim, dtype, variants):
     if variants:
         yield ("variants", AttentionSpec(head_dim=head_dim, dtype=dtype, **VARIANTS),
                f", float32[:, :], int32[::1], int32[::1], {f3}, {f3}, {f3}, Tuple(())")
-        mask = "uint16" if dtype == "bfloat16" else dtype  # (bfloat16 masks: their bits)
+        mask = mask_type(dtype)
         yield ("masked", AttentionSpec(head_dim=head_dim, dtype=dtype, attn_mask=dtype,
                                        **MASKED),
                f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :], {f3}, {f3}, Tuple(())")
@@ -254,6 +262,16 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                 yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
                        hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
+                if kind == "masked":  # (a boolean mask takes the plain tiles: config.py)
+                    bool_spec = AttentionSpec(head_dim=head_dim, dtype=dtype,
+                                              attn_mask="bool", **BOOL_MASKED)
+                    bool_config = hopper_forward_config(head_dim, bool_spec)
+                    yield (f"hopper_forward_{tag.replace('masked', 'bool_masked')}",
+                           hopper_forward_kernel_function(bool_config, bool_spec),
+                           f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32"
+                           f"{extras.replace(mask_type(dtype), 'boolean')})",
+                           hopper_forward_shared_bytes(bool_config, head_dim),
+                           (bool_config.threads, 1))
                 backward = hopper_backward_config(head_dim, spec)
                 if backward is None:
                     continue

@@ -132,6 +132,10 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
     for variants in ("variants", "masked", "mask_mod"):  # (masks: their smaller tiles)
         for kernel in ("forward", "bwd_dk_dv", "bwd_dq"):
             assert f"hopper_{kernel}_d128_{variants}_bf16" in found
+    # a boolean mask on the forward's plain tiles and turns (hopper/config.py): as many
+    # products as the plain kernel
+    assert found["hopper_forward_d128_bool_masked_bf16"]["wgmma.mma_async"] == \
+        found["hopper_forward_d128_causal_f16"]["wgmma.mma_async"]
     for name, r in found.items():
         assert r["setmaxnreg"] == 2 and r["mbarrier.try_wait"] > 0 and r["cp.async.cg"] > 0, r
         assert r["ptxas_warnings"] == [], (name, r["ptxas_warnings"])

@@ -69,6 +69,12 @@ _HOPPER_FORWARD_MASKED = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=32)),
 )
+#: with a boolean attn_mask and not both softcap and ALiBi: the plain tiles, which compile
+#: without spills there (a boolean mask costs the consumers a load and a test per element of
+#: a partial tile; a floating one, or a mask_mod's tile tables, more: 148-488 bytes of
+#: spills at block_n 128; a boolean mask with softcap and ALiBi at d128 32-100;
+#: docs/KERNEL_NOTES.md, "Masks on the plain Hopper tiles")
+_HOPPER_FORWARD_BOOL_MASKED = _HOPPER_FORWARD[:2]
 
 
 @dataclass(frozen=True)
@@ -144,4 +150,6 @@ def hopper_forward_config(head_dim, spec):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
     None."""
     table = _HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
+    if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
+        table = _HOPPER_FORWARD_BOOL_MASKED
     return None if head_dim % 16 else lookup(table, head_dim)

@@ -28,14 +28,16 @@ SIMULATOR_CASES = [
 ]
 
 # masks: mask_mods, gapped_mask's tile table leaving an empty key tile inside each head's key
-# range (GQA: a different one per head) and a query tile with no key at all; attn_masks go
-# through the same shared mask and score mod as the other families' (tests/variants) and run
-# through these kernels in the GPU variant suite
+# range (GQA: a different one per head) and a query tile with no key at all; a boolean
+# attn_mask (the other attn_masks go through the same shared mask and score mod as the other
+# families', tests/variants, and run through these kernels in the GPU variant suite)
 MASK_CASES = [
     ((1, 130, 100, 2, 64), 1, False, "float16", HopperConfig(32),
      dict(mask_mod=gapped_mask, softcap=2.0)),
     ((1, 80, 80, 1, 64), None, True, "bfloat16", HopperConfig(32, turns=False),
      dict(mask_mod=document_mask)),
+    # a boolean mask on the plain tiles and turns (the config a boolean mask takes)
+    ((1, 70, 150, 2, 64), 1, True, "float16", HopperConfig(128), dict(attn_mask="bool")),
 ]
 
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
