@@ -60,7 +60,7 @@ class NumbaBackend(Backend):
 
     def supports_kvcache(self, spec, q, k_cache):
         if self.decode is None:
-            return "it has no KV-cache kernels (the numba and numba-simt backends do)"
+            return "it has no KV-cache kernels (the numba, numba-mma and numba-simt backends do)"
         return self._takes(spec, q) or self.decode.reason(spec, q, k_cache)
 
     def _takes(self, spec, q):
