@@ -3,6 +3,7 @@
 Everything here works from attributes (`shape`, `dtype`, `__cuda_array_interface__`) and the
 type's module name, so that `import numba_flash` needs neither CuPy nor torch.
 """
+import contextlib
 import functools
 
 import numpy as np
@@ -95,10 +96,7 @@ def empty_like_kind(ref, shape, dtype):
     module = type(ref).__module__ or ""
     if module.startswith("cupy"):  # (first: a replayed call allocates here, microseconds count)
         import cupy
-        device = ref.data.device_id
-        if cupy.cuda.runtime.getDevice() == device:
-            return cupy.empty(shape, name)
-        with cupy.cuda.Device(device):
+        with _on_cupy_device(ref):
             return cupy.empty(shape, name)
     if module.startswith("torch"):  # CUDA or CPU tensors
         import torch
@@ -108,6 +106,16 @@ def empty_like_kind(ref, shape, dtype):
         return np.empty(shape, name)
     from numba import cuda
     return cuda.device_array(shape, name)
+
+
+def _on_cupy_device(x):
+    """A context on CuPy array x's device: none where it is already the current one (entering
+    a cupy.cuda.Device costs microseconds, on the path of every replayed call)."""
+    import cupy
+    device = x.data.device_id
+    if cupy.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device)
 
 
 class _InterfaceView:
@@ -137,10 +145,7 @@ def caller_stream_handle(x):
     kind = array_kind(x)
     if kind == CUPY:
         import cupy
-        device = x.data.device_id
-        if cupy.cuda.runtime.getDevice() == device:
-            return cupy.cuda.get_current_stream().ptr or 1
-        with cupy.cuda.Device(device):  # the stream current on the array's device
+        with _on_cupy_device(x):  # the stream current on the array's device
             return cupy.cuda.get_current_stream().ptr or 1
     if kind == TORCH:
         import torch

@@ -163,7 +163,9 @@ def mask_dtype(attn_mask):
 
 def lowered_mask_mod(mask_mod, block_mask=None, varlen=False):
     """(MaskModProgram, its captured arrays) of the call's mask_mod (mask_mod_of's), checked;
-    (None, ()) without one."""
+    (None, ()) without one (at once: the usual call's path)."""
+    if mask_mod is None and block_mask is None:
+        return None, ()
     program, captured = lower(check_mask_mod(mask_mod_of(mask_mod, block_mask, varlen)))
     for name, x in zip(program.captured if program else (), captured):
         if _arrays.dtype_name(x) == "bfloat16":

@@ -60,7 +60,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW,
         (batch, nheads, seqlen_q) with lse[b, h, i] = log(sum_j exp(score_ij)) over the keys
         query i sees, score_ij = softmax_scale · q_i · k_j (softcapped, with ALiBi, if asked).
     """
-    program, captured = _mask_mod(mask_mod, block_mask)
+    program, captured = _checks.lowered_mask_mod(mask_mod, block_mask)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
                      attn_mask=_checks.mask_dtype(attn_mask), mask_mod=program)
@@ -80,7 +80,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, windo
     group's query heads, without atomics: deterministic). Rows that saw no key get zero
     gradients; the mask gets none.
     """
-    program, captured = _mask_mod(mask_mod, block_mask)
+    program, captured = _checks.lowered_mask_mod(mask_mod, block_mask)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
                      attn_mask=_checks.mask_dtype(attn_mask), mask_mod=program)
@@ -94,14 +94,6 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
                    mask_mod=mask_mod, block_mask=block_mask, backend=backend)[0]
-
-
-def _mask_mod(mask_mod, block_mask):
-    """The call's lowered mask_mod and its captured arrays ((None, ()) without one, at once:
-    the usual call's path)."""
-    if mask_mod is None and block_mask is None:
-        return None, ()
-    return _checks.lowered_mask_mod(mask_mod, block_mask)
 
 
 def _extras(alibi_slopes, attn_mask, block_mask, mask_mod_arrays):

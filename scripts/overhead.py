@@ -21,30 +21,20 @@ import numpy as np
 import harness
 
 
-def per_call_us(fn, sync, calls):
-    """Median microseconds of fn(); sync() after each call."""
-    fn()
-    sync()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
-
-
-def host_us(fn, sync, calls):
-    """Median microseconds of fn() alone, the host's side of a call: the GPU's work overlaps
-    (the stream is drained every 100 calls, outside the timing)."""
+def call_us(fn, sync, calls, host_only=False):
+    """Median microseconds of fn(): with sync() after each call inside the timing, or, with
+    host_only, of fn() alone, the host's side of a call, the GPU's work overlapping (the
+    stream is drained every 100 calls, outside the timing)."""
     fn()
     sync()
     times = []
     for call in range(calls):
         start = time.perf_counter()
         fn()
+        if not host_only:
+            sync()
         times.append(time.perf_counter() - start)
-        if call % 100 == 99:
+        if host_only and call % 100 == 99:
             sync()
     sync()
     return 1e6 * statistics.median(times)
@@ -107,13 +97,12 @@ def main(argv=None):
             sdpa(a, b, c, is_causal=True).backward(tdout)
         runs["sdpa forward"] = sdpa_fwd, torch.cuda.synchronize
         runs["sdpa forward+backward"] = sdpa_fwdbwd, torch.cuda.synchronize
-    timer, how = ((host_us, "host side only") if args.host_only
-                  else (per_call_us, "stream synchronised after each"))
+    how = "host side only" if args.host_only else "stream synchronised after each"
     print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 (CuPy unless named) causal, "
           f"{args.calls} calls, {how}")
     for name, (fn, synchronize) in runs.items():
-        print(f"{name:32s} {timer(fn, synchronize, args.calls):8.1f} us per call",
-              flush=True)
+        print(f"{name:32s} {call_us(fn, synchronize, args.calls, args.host_only):8.1f} us "
+              f"per call", flush=True)
     if args.profile:
         for name in (f"{args.backends[0]} forward", f"{args.backends[0]} backward"):
             profile = cProfile.Profile()

@@ -146,8 +146,9 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="au
     if kernels == "tensor-cores" and not tensor:  # (before anything is written)
         raise ValueError(refusal or "the tensor-core decode kernel reads k_cache and v_cache "
                          "by cp.async: their rows must be contiguous and 16-byte aligned")
-    if not tensor and _simt_reason(spec, q):
-        raise ValueError(_simt_reason(spec, q))
+    simt_refusal = None if tensor else _simt_reason(spec, q)
+    if simt_refusal:
+        raise ValueError(simt_refusal)
     lse_view = marshal.view(lse)
     # (one-element stand-ins of the arrays' types where the call has none: never read)
     block_table = marshal.view(cache.block_table if paged else alloc((1, 1), "int32"))

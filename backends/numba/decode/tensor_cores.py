@@ -64,6 +64,7 @@ def shared_bytes(head_dim, stages):
     return ROWS * row_bytes + max(tiles, merge)
 
 
+@functools.lru_cache(maxsize=None)
 def choose_stages(head_dim, limit):
     """The deepest pipeline (at most MAX_STAGES tiles a warp) whose shared memory fits `limit`
     bytes and, where a smaller one allows it, leaves a multiprocessor room for two blocks
