@@ -42,6 +42,17 @@ class Backend:
         (new tokens appended in place first)."""
         raise NotImplementedError
 
+    def forward_kvcache_and_replay(self, spec, q, cache, extras=NO_EXTRAS):
+        """(forward_kvcache's result, replay): replay(q, k_cache, v_cache, *cache.arrays(),
+        *extras.arrays()) repeats the call on new arrays of the same signature, whose values
+        the public API has checked. By default it is forward_kvcache itself."""
+        def replay(q, k_cache, v_cache, *arrays):
+            given = len(cache.arrays())
+            return self.forward_kvcache(spec, q, cache.with_arrays(k_cache, v_cache,
+                                                                   arrays[:given]),
+                                        extras.with_arrays(arrays[given:]))
+        return self.forward_kvcache(spec, q, cache, extras), replay
+
     def forward_and_replay(self, spec, q, k, v, extras=NO_EXTRAS):
         """(forward's result, replay): replay(q, k, v, *extras.arrays()) repeats the call on
         new arrays of the same signature (spec, shapes, strides, dtypes, device, library,

@@ -4,12 +4,16 @@ convention; contiguous or paged caches, new tokens appended in place.
 
 Every check runs, and every value it needs is read (cache_seqlens and block_table: one small
 copy from the GPU), before anything is written: a rejected call leaves the cache as it was.
+A call whose signature was seen before (numba_flash/call_cache.py: the arrays' shapes,
+strides, dtypes, device and alignment, which optional arrays are given, the spec) reads and
+checks those values again and replays the launches recorded for it; a call with cache_seqlens
+as an int always takes the full path (the int is a launch argument).
 """
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _checks, registry
+from . import _arrays, _checks, call_cache, registry
 from .extras import NO_EXTRAS, Extras, host_values
 from .spec import NO_WINDOW, make_spec
 
@@ -25,7 +29,9 @@ class KVCache(NamedTuple):
     nheads_kv, headdim) to write at positions cache_seqlens[b] onward first, or None.
     cache_seqlens: int32 (batch,) array, or None with fixed_seqlen >= 0 standing for every
     sequence's count (-1 with an array). block_table: int32 (batch, max_blocks) or None.
-    max_seqlen_k: the most keys a sequence has after the append. num_splits: the splits of the
+    capacity: the most keys a sequence's cache holds (seqlen_cache, or max_blocks x block_size
+    when paged): a bound of every call with these shapes, so that what a backend decides from
+    it (the split of the key axis) holds for the call's replays. num_splits: the splits of the
     key axis asked for (0: the backend chooses)."""
     k_cache: object
     v_cache: object
@@ -34,8 +40,23 @@ class KVCache(NamedTuple):
     cache_seqlens: object
     fixed_seqlen: int
     block_table: object
-    max_seqlen_k: int
+    capacity: int
     num_splits: int
+
+    def arrays(self):
+        """The optional arrays present (k_new, v_new, cache_seqlens, block_table), in order:
+        after q, k_cache and v_cache, what a call's signature and replay take."""
+        return tuple(x for x in (self.k_new, self.v_new, self.cache_seqlens, self.block_table)
+                     if x is not None)
+
+    def with_arrays(self, k_cache, v_cache, arrays):
+        """The same cache on other arrays: the caches and `arrays` as arrays() returned them."""
+        values = iter(arrays)
+        k_new, v_new, seqlens, table = (None if x is None else next(values)
+                                        for x in (self.k_new, self.v_new, self.cache_seqlens,
+                                                  self.block_table))
+        return self._replace(k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
+                             cache_seqlens=seqlens, block_table=table)
 
     @property
     def new_tokens(self):
@@ -43,9 +64,7 @@ class KVCache(NamedTuple):
 
     def seqlens_k(self, batch):
         """Every sequence's number of keys after the append, on the host (int64 (batch,))."""
-        cached = (np.full(batch, self.fixed_seqlen, np.int64) if self.cache_seqlens is None
-                  else host_values(self.cache_seqlens).astype(np.int64))
-        return cached + self.new_tokens
+        return _cached(batch, self.cache_seqlens, self.fixed_seqlen) + self.new_tokens
 
 
 def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
@@ -82,14 +101,30 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     """
     spec = make_spec(q, k_cache, causal=causal, softmax_scale=softmax_scale,
                      window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
-    cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
-    extras = NO_EXTRAS
-    if alibi_slopes is not None:
-        _checks.check_alibi_slopes(alibi_slopes, int(q.shape[0]), int(q.shape[2]))
-        _checks.check_same_place({"q": q, "alibi_slopes": alibi_slopes})
-        extras = Extras(alibi_slopes)
-    impl = registry.resolve(backend, spec, q, k_cache, v_cache, kvcache=True)
-    out, lse = impl.forward_kvcache(spec, q, cache, extras)
+    _check_num_splits(num_splits)
+    optional = (k, v, cache_seqlens, block_table, alibi_slopes)  # (KVCache.arrays, Extras')
+    arrays = (q, k_cache, v_cache, *(x for x in optional if x is not None))
+    key = None
+    if not isinstance(cache_seqlens, (int, np.integer)):
+        form = ("forward_kvcache", int(num_splits)) + tuple(x is not None for x in optional)
+        key = call_cache.signature(form, backend, spec, arrays)
+    replay = call_cache.get(key)
+    if replay is not None:
+        check_kvcache_values(q, k_cache, k, cache_seqlens, block_table)
+        out, lse = replay(*arrays)
+    else:
+        cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+        extras = NO_EXTRAS
+        if alibi_slopes is not None:
+            _checks.check_alibi_slopes(alibi_slopes, int(q.shape[0]), int(q.shape[2]))
+            _checks.check_same_place({"q": q, "alibi_slopes": alibi_slopes})
+            extras = Extras(alibi_slopes)
+        impl = registry.resolve(backend, spec, q, k_cache, v_cache, kvcache=True)
+        if key is None:
+            out, lse = impl.forward_kvcache(spec, q, cache, extras)
+        else:
+            (out, lse), replay = impl.forward_kvcache_and_replay(spec, q, cache, extras)
+            call_cache.put(key, replay)
     return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
 
 
@@ -119,9 +154,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     if dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"q must be floating point ({', '.join(_checks.FLOAT_DTYPES)}); got "
                         f"{dtype}")
-    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) \
-            or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen); got {num_splits!r}")
+    _check_num_splits(num_splits)
 
     if block_table is None:
         if pages < batch:
@@ -160,10 +193,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
 
     fixed = -1
     if cache_seqlens is None:
-        cached = np.full(batch, capacity, np.int64)
         fixed = capacity
     elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        cached = np.full(batch, int(cache_seqlens), np.int64)
         fixed = int(cache_seqlens)
         cache_seqlens = None
     else:
@@ -172,8 +203,31 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got "
                              f"{_checks._shape_str(cache_seqlens)}")
         arrays["cache_seqlens"] = cache_seqlens
-        cached = host_values(cache_seqlens).astype(np.int64)
     _checks.check_same_place(arrays)
+    _check_values(_cached(batch, cache_seqlens, fixed), new_tokens, capacity, block_table,
+                  page_rows, pages)
+    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, capacity,
+                   int(num_splits))
+
+
+def check_kvcache_values(q, k_cache, k, cache_seqlens, block_table):
+    """The checks of what a call's arrays hold (cache_seqlens within the cache, block_table
+    inside it), for a call whose shapes check_kvcache has passed before (a replay)."""
+    pages, page_rows = int(k_cache.shape[0]), int(k_cache.shape[1])
+    capacity = page_rows if block_table is None else int(block_table.shape[1]) * page_rows
+    fixed = capacity if cache_seqlens is None else -1
+    _check_values(_cached(int(q.shape[0]), cache_seqlens, fixed),
+                  0 if k is None else int(k.shape[1]), capacity, block_table, page_rows, pages)
+
+
+def _cached(batch, cache_seqlens, fixed):
+    """Every sequence's cached tokens before the append, on the host (int64 (batch,))."""
+    if cache_seqlens is None:
+        return np.full(batch, fixed, np.int64)
+    return host_values(cache_seqlens).astype(np.int64)
+
+
+def _check_values(cached, new_tokens, capacity, block_table, page_rows, pages):
     if (cached < 0).any():
         at = int(np.argmax(cached < 0))
         raise ValueError(f"cache_seqlens must be >= 0; got {int(cached[at])} for sequence {at}")
@@ -186,8 +240,12 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
             + (" (max_blocks x block_size)" if block_table is not None else " (seqlen_cache)"))
     if block_table is not None:
         _check_pages(host_values(block_table), total, page_rows, pages)
-    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table,
-                   int(total.max()), int(num_splits))
+
+
+def _check_num_splits(num_splits):
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen); got {num_splits!r}")
 
 
 def _check_int32(name, x, rank):
@@ -200,12 +258,11 @@ def _check_int32(name, x, rank):
 
 def _check_pages(table, seqlens_k, block_size, num_blocks):
     """The block-table entries each sequence uses (its first ceil(seqlen_k / block_size))
-    point inside the cache."""
-    for b, n in enumerate(seqlens_k):
-        used = table[b, :-(-int(n) // block_size)]
-        bad = (used < 0) | (used >= num_blocks)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise ValueError(f"block_table[{b}, {at}] = {int(used[at])} points outside the "
-                             f"cache's {num_blocks} blocks (sequence {b} uses its first "
-                             f"{len(used)} entries)")
+    point inside the cache (all sequences at once: this runs on every call)."""
+    used = -(-np.asarray(seqlens_k) // block_size)
+    bad = (np.arange(table.shape[1]) < used[:, None]) & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, at = (int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
+        raise ValueError(f"block_table[{b}, {at}] = {int(table[b, at])} points outside the "
+                         f"cache's {num_blocks} blocks (sequence {b} uses its first "
+                         f"{int(used[b])} entries)")

@@ -40,6 +40,19 @@ def fresh_call_cache():
 
 
 @pytest.fixture
+def host_replays(monkeypatch):
+    """Signatures for NumPy arrays too (numba_flash/call_cache.py gives only device arrays
+    one), so that the API's replays can be exercised without a GPU, on the numpy backend."""
+    from numba_flash import call_cache
+
+    def numpy_signature(x):
+        if not isinstance(x, np.ndarray):
+            return None
+        return type(x), x.shape, x.strides, x.dtype, "host", x.ctypes.data % 16 == 0
+    monkeypatch.setattr(call_cache, "_array_signature", numpy_signature)
+
+
+@pytest.fixture
 def rng():
     """A fresh random generator per test; its seed is printed so a failure can be replayed."""
     seed = np.random.SeedSequence().entropy

@@ -133,6 +133,12 @@ class NumbaBackend(Backend):
             result, fallback = super().backward_and_replay(spec, dout, q, k, v, out, lse, extras)
         return result, replay.build_replay(self, record, inputs, result, ref=1) or fallback  # q
 
+    def forward_kvcache_and_replay(self, spec, q, cache, extras=NO_EXTRAS):
+        inputs = (q, cache.k_cache, cache.v_cache, *cache.arrays(), *extras.arrays())
+        with replay.recording() as record:
+            result, fallback = super().forward_kvcache_and_replay(spec, q, cache, extras)
+        return result, replay.build_replay(self, record, inputs, result) or fallback
+
     def forward(self, spec, q, k, v, extras=NO_EXTRAS):
         engine = self._engine_or_raise(spec, q, k, v)
         _check_sequences(spec, extras)

@@ -20,21 +20,16 @@ from numba_flash.reference import attention_backward, attention_forward
 from numba_flash.spec import make_spec
 
 
-def _numpy_signature(x):
-    """Signatures for NumPy arrays too, so the API's cache can be exercised without a GPU."""
-    return type(x), x.shape, x.strides, x.dtype, "host", x.ctypes.data % 16 == 0
-
-
 # -- CPU ----------------------------------------------------------------------------------------
 
-def test_only_device_arrays_have_signatures_and_the_spec_is_part_of_them(rng, monkeypatch):
+def test_only_device_arrays_have_signatures_and_the_spec_is_part_of_them(rng, request):
     q, k, v = random_qkv(rng, 1, 5, 6, 2, 8, "float32")
     spec = make_spec(q, causal=True, softmax_scale=0.5)
     assert call_cache.signature("forward", "auto", spec, (q, k, v)) is None  # NumPy
     torch = pytest.importorskip("torch")
     assert call_cache.signature("forward", "auto", spec,
                                 [torch.from_numpy(x) for x in (q, k, v)]) is None  # CPU torch
-    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+    request.getfixturevalue("host_replays")
     key = call_cache.signature("forward", "auto", spec, (q, k, v))
     assert key is not None and key[1] == ("auto", registry.default_backend()) and spec in key
     with numba_flash.use_backend("numpy"):  # "auto" stands for another default now
@@ -50,8 +45,7 @@ def test_only_device_arrays_have_signatures_and_the_spec_is_part_of_them(rng, mo
             make_spec(q, causal=causal, softmax_scale=scale)
 
 
-def test_replays_can_be_turned_off(rng, monkeypatch):
-    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+def test_replays_can_be_turned_off(rng, monkeypatch, host_replays):
     q, k, v = random_qkv(rng, 1, 5, 6, 2, 8, "float32")
     spec = make_spec(q)
     assert call_cache.signature("forward", "auto", spec, (q, k, v)) is not None
@@ -67,8 +61,8 @@ def test_the_environment_variable_turns_replays_off():
         assert run.stdout.strip() == expected, value
 
 
-def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monkeypatch):
-    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monkeypatch,
+                                                                      host_replays):
     q, k, v = random_qkv(rng, 2, 7, 9, 2, 16, "float32")
     numba_flash.forward(q, k, v, causal=True, backend="numpy")
     checked = []
@@ -85,8 +79,7 @@ def test_repeated_calls_skip_the_checks_and_compute_on_the_new_arrays(rng, monke
         numba_flash.forward(q, k, v[..., :8], causal=True, backend="numpy")
 
 
-def test_a_failed_call_is_not_cached(rng, monkeypatch):
-    monkeypatch.setattr(call_cache, "_array_signature", _numpy_signature)
+def test_a_failed_call_is_not_cached(rng, host_replays):
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 8, "float32")
     for _ in range(2):
         with pytest.raises(ValueError, match="softmax_scale must be a finite positive number"):

@@ -62,18 +62,56 @@ def test_forward_kvcache_on_the_gpu(cp, rng, backend, dtype, case, num_splits):
                                            cache_seqlens=cached_gpu, block_table=table,
                                            causal=causal, num_splits=num_splits,
                                            backend=backend)
+    _check_call(cp, dtype, (q, k_cache, v_cache, k_new, v_new, cached_gpu, table), causal,
+                (out, lse), args[1:3])
+
+
+def _check_call(cp, dtype, arrays, causal, result, written_caches):
+    """A call's (out, lse) against float64 attention over the appended caches (arrays: its
+    float32 values before the call), and the caches it wrote equal to the reference's append."""
+    q, k_cache, v_cache, k_new, v_new, cached, table = arrays
     want_k, want_v = k_cache.copy(), v_cache.copy()
-    cache = check_kvcache(q, want_k, want_v, k_new, v_new, cached_gpu, table, 0)
+    cache = check_kvcache(q, want_k, want_v, k_new, v_new, cached, table, 0)
     append(cache)
     spec = make_spec(q, k_cache, causal=causal)
     ref = attention_forward_kvcache(cp, q, want_k, want_v, cache, spec, "float64", NO_EXTRAS)
     base = attention_forward_kvcache(cp, q, want_k, want_v, cache, spec, dtype, NO_EXTRAS,
                                      forward=plain16_forward)
-    got = out.float().cpu().numpy(), lse.cpu().numpy()
-    assert_within_rule("out", got[0], base[0].get(), ref[0].get(), dtype)
-    assert_within_rule("lse", got[1], base[1].get(), ref[1].get(), "float32")
-    for written, want in ((args[1], want_k), (args[2], want_v)):
+    out, lse = result
+    assert_within_rule("out", out.float().cpu().numpy(), base[0].get(), ref[0].get(), dtype)
+    assert_within_rule("lse", lse.cpu().numpy(), base[1].get(), ref[1].get(), "float32")
+    for written, want in zip(written_caches, (want_k, want_v)):
         assert bool(cp.all(cp.asarray(written.float()) == want))
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-simt"])
+def test_decode_steps_replay_the_launches(cp, rng, poisoned_outputs, monkeypatch, backend):
+    """Decode steps on a paged cache, one new token per sequence and step, new queries and
+    lengths each step: from the second step on the call is a replay (the backend's
+    forward_kvcache is not entered), with the reference's results and appended caches."""
+    from numba_flash.backends.numba.backend import NumbaBackend
+    torch = pytest.importorskip("torch")
+    batch, heads, kv_heads, block_size, max_blocks = 4, 16, 4, 16, 64
+    blocks = batch * max_blocks
+
+    def values(shape):
+        return round16(cp, cp.asarray(rng.standard_normal(shape), cp.float32), "float16")
+
+    k_cache, v_cache = (values((blocks, block_size, kv_heads, 128)) for _ in range(2))
+    table = cp.asarray(rng.permutation(blocks).reshape(batch, max_blocks).astype(np.int32))
+    lengths = rng.integers(0, blocks * block_size // batch - 4, batch).astype(np.int32)
+    caches = [torch.from_dlpack(x).to(torch.float16).contiguous() for x in (k_cache, v_cache)]
+    for step in range(3):
+        q, k_new, v_new = (values((batch, 1, h, 128)) for h in (heads, kv_heads, kv_heads))
+        before = [cp.asarray(x.float()) for x in caches]
+        call = [torch.from_dlpack(x).to(torch.float16) for x in (q, k_new, v_new)]
+        out, lse = numba_flash.forward_kvcache(call[0], *caches, k=call[1], v=call[2],
+                                               cache_seqlens=cp.asarray(lengths),
+                                               block_table=table, causal=True, backend=backend)
+        _check_call(cp, "float16", (q, *before, k_new, v_new, cp.asarray(lengths), table), True,
+                    (out, lse), caches)
+        lengths += 1
+        monkeypatch.setattr(NumbaBackend, "forward_kvcache", None)  # a replay never calls it
 
 
 def test_a_cache_that_cp_async_cannot_read(cp, rng):

@@ -106,6 +106,7 @@ def multiprocessors(q):
     return _multiprocessors(_arrays.device_id(q))
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_splits(blocks, visible_keys, sm_count, blocks_per_sm=BLOCKS_PER_SM):
     """Splits of the key axis for `blocks` blocks per split reading up to `visible_keys` keys
     each, each split keeping MIN_KEYS_PER_SPLIT keys or more: one when the blocks nearly fill
@@ -124,11 +125,13 @@ def choose_splits(blocks, visible_keys, sm_count, blocks_per_sm=BLOCKS_PER_SM):
     return next(n for n in range(1, most + 1) if share(n) >= WAVE_SHARE * best)
 
 
-def visible_keys(spec, seqlen_q, max_seqlen_k):
-    """The most keys one block's rows can see (a window bounds them)."""
+def visible_keys(spec, seqlen_q, capacity):
+    """The most keys one block's rows can see in a cache of `capacity` tokens (a window
+    bounds them). The splits follow from it, not from the call's cache_seqlens: the same for
+    every call of a signature (its replay's launches), as flash-decoding sizes them."""
     if spec.window_left >= 0 and spec.window_right >= 0:
-        return min(max_seqlen_k, spec.window_left + spec.window_right + seqlen_q)
-    return max_seqlen_k
+        return min(capacity, spec.window_left + spec.window_right + seqlen_q)
+    return capacity
 
 
 def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="auto"):
@@ -185,7 +188,7 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="au
     row_tiles = -(-seqlen_q * spec.group // rows)
     blocks = row_tiles * nheads_kv * batch
     splits = cache.num_splits or choose_splits(
-        blocks, visible_keys(spec, seqlen_q, cache.max_seqlen_k), sm_count, blocks_per_sm)
+        blocks, visible_keys(spec, seqlen_q, cache.capacity), sm_count, blocks_per_sm)
     out_part = marshal.view(alloc((splits, batch, seqlen_q, nheads, head_dim), "float32"))
     lse_part = marshal.view(alloc((splits, batch, nheads, seqlen_q), "float32"))
     slopes = lse_view
