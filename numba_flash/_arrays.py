@@ -89,6 +89,24 @@ def host_like(values, ref, dtype=None):
     return values.astype(ref.dtype if dtype is None else dtype)
 
 
+def device_copy_like(values, ref):
+    """NumPy `values` copied to device array ref's GPU, as an array of ref's library, queued on
+    the current stream without waiting for the work queued before it (the host copy goes
+    through a staging buffer: `values` may change as soon as this returns)."""
+    kind = array_kind(ref)
+    values = np.ascontiguousarray(values)
+    if kind == CUPY:
+        import cupy
+        with _on_cupy_device(ref):
+            return cupy.asarray(values)
+    if kind == TORCH:
+        import torch
+        return torch.from_numpy(values).to(ref.device, non_blocking=True)
+    from numba import cuda
+    with cuda.gpus[device_id(ref)]:
+        return cuda.to_device(values)
+
+
 def empty_like_kind(ref, shape, dtype):
     """A new uninitialised C-contiguous array of the same library and device as `ref`; dtype is
     a name ('float32', 'bfloat16', ...) or a NumPy dtype."""

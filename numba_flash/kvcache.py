@@ -88,6 +88,10 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
             + new_tokens cache positions.
         block_table: int32 (batch, max_blocks): block i of sequence b's cache is
             k_cache[block_table[b, i]] (the entries its tokens use must be < num_blocks).
+            Both are checked on the host before anything is written. On the GPU they are read
+            back (the copy waits for the work queued before the call); given on the host
+            (NumPy, a CPU torch tensor) with q on the GPU, they are checked there and copied
+            to the GPU without waiting, so the host can queue the next work meanwhile.
         causal, softmax_scale, window_size, softcap, alibi_slopes: forward's, aligned to the
             bottom-right corner of each sequence's (seqlen_q, seqlen_k): with causal, query i
             of a chunk of seqlen_q new tokens sees the cache and the new tokens up to itself.
@@ -102,6 +106,7 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     spec = make_spec(q, k_cache, causal=causal, softmax_scale=softmax_scale,
                      window_size=window_size, softcap=softcap, alibi=alibi_slopes is not None)
     _check_num_splits(num_splits)
+    cache_seqlens, block_table, known = _host_values_to_device(q, cache_seqlens, block_table)
     optional = (k, v, cache_seqlens, block_table, alibi_slopes)  # (KVCache.arrays, Extras')
     arrays = (q, k_cache, v_cache, *(x for x in optional if x is not None))
     key = None
@@ -110,10 +115,11 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
         key = call_cache.signature(form, backend, spec, arrays)
     replay = call_cache.get(key)
     if replay is not None:
-        check_kvcache_values(q, k_cache, k, cache_seqlens, block_table)
+        check_kvcache_values(q, k_cache, k, cache_seqlens, block_table, known)
         out, lse = replay(*arrays)
     else:
-        cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+        cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                              known)
         extras = NO_EXTRAS
         if alibi_slopes is not None:
             _checks.check_alibi_slopes(alibi_slopes, int(q.shape[0]), int(q.shape[2]))
@@ -128,8 +134,29 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
 
 
-def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
-    """The KVCache of a call, every argument checked (ValueError / TypeError naming it)."""
+def _host_values_to_device(q, cache_seqlens, block_table):
+    """(cache_seqlens, block_table, known): with q on a GPU, those of the two given as host
+    arrays checked for dtype and rank and copied to q's device, their host values in known
+    (cache_seqlens', block_table's; None where the checks must read them)."""
+    known = [None, None]
+    if not _arrays.is_device_kind(_arrays.array_kind(q)):
+        return cache_seqlens, block_table, tuple(known)
+    given = [cache_seqlens, block_table]
+    for i, (name, rank) in enumerate((("cache_seqlens", 1), ("block_table", 2))):
+        x = given[i]
+        if x is not None and not isinstance(x, (int, np.integer)) \
+                and _arrays.array_kind(x) == _arrays.HOST:
+            _check_int32(name, x, rank)
+            known[i] = np.array(_arrays.as_numpy(x))  # (a copy: the caller may change x)
+            given[i] = _arrays.device_copy_like(known[i], q)
+    return given[0], given[1], tuple(known)
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                  known=(None, None)):
+    """The KVCache of a call, every argument checked (ValueError / TypeError naming it);
+    known: the host values of cache_seqlens and block_table where the caller has them (else
+    they are read)."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in arrays.items():
         _checks.check_array(name, x)
@@ -204,30 +231,33 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
                              f"{_checks._shape_str(cache_seqlens)}")
         arrays["cache_seqlens"] = cache_seqlens
     _checks.check_same_place(arrays)
-    _check_values(_cached(batch, cache_seqlens, fixed), new_tokens, capacity, block_table,
-                  page_rows, pages)
+    _check_values(_cached(batch, cache_seqlens, fixed, known[0]), new_tokens, capacity,
+                  block_table, known[1], page_rows, pages)
     return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, capacity,
                    int(num_splits))
 
 
-def check_kvcache_values(q, k_cache, k, cache_seqlens, block_table):
+def check_kvcache_values(q, k_cache, k, cache_seqlens, block_table, known=(None, None)):
     """The checks of what a call's arrays hold (cache_seqlens within the cache, block_table
-    inside it), for a call whose shapes check_kvcache has passed before (a replay)."""
+    inside it), for a call whose shapes check_kvcache has passed before (a replay); known as
+    check_kvcache's."""
     pages, page_rows = int(k_cache.shape[0]), int(k_cache.shape[1])
     capacity = page_rows if block_table is None else int(block_table.shape[1]) * page_rows
     fixed = capacity if cache_seqlens is None else -1
-    _check_values(_cached(int(q.shape[0]), cache_seqlens, fixed),
-                  0 if k is None else int(k.shape[1]), capacity, block_table, page_rows, pages)
+    _check_values(_cached(int(q.shape[0]), cache_seqlens, fixed, known[0]),
+                  0 if k is None else int(k.shape[1]), capacity, block_table, known[1],
+                  page_rows, pages)
 
 
-def _cached(batch, cache_seqlens, fixed):
-    """Every sequence's cached tokens before the append, on the host (int64 (batch,))."""
+def _cached(batch, cache_seqlens, fixed, values=None):
+    """Every sequence's cached tokens before the append, on the host (int64 (batch,)): the
+    known `values`, else cache_seqlens' read (or `fixed` for each)."""
     if cache_seqlens is None:
         return np.full(batch, fixed, np.int64)
-    return host_values(cache_seqlens).astype(np.int64)
+    return (host_values(cache_seqlens) if values is None else values).astype(np.int64)
 
 
-def _check_values(cached, new_tokens, capacity, block_table, page_rows, pages):
+def _check_values(cached, new_tokens, capacity, block_table, table_values, page_rows, pages):
     if (cached < 0).any():
         at = int(np.argmax(cached < 0))
         raise ValueError(f"cache_seqlens must be >= 0; got {int(cached[at])} for sequence {at}")
@@ -239,7 +269,8 @@ def _check_values(cached, new_tokens, capacity, block_table, page_rows, pages):
             f"{int(cached[at])} + {new_tokens} new) but its cache holds {capacity}"
             + (" (max_blocks x block_size)" if block_table is not None else " (seqlen_cache)"))
     if block_table is not None:
-        _check_pages(host_values(block_table), total, page_rows, pages)
+        _check_pages(host_values(block_table) if table_values is None else table_values, total,
+                     page_rows, pages)
 
 
 def _check_num_splits(num_splits):

@@ -7,6 +7,9 @@ the same memory). K/V bytes read per second count each cached key and value once
 kernel must read); ours on --backends ("numba": the tensor-core decode kernel for these
 dtypes; "numba-simt": the SIMT one), with the splits' heuristic and any --splits forced;
 SDPA gets q (B, H, 1, D) and the caches as (B, H_kv, N, D) views (enable_gqa for GQA).
+"host lengths": ours with cache_seqlens given on the host (checked there, copied to the GPU
+without waiting), where the plain rows give it on the GPU (read back to be checked: each call
+waits for the work queued before it).
 Times are CUDA-event medians (scripts/bench.py's Timer); "step" is the wall time of one call
 with the host's share (checks, the cache_seqlens read), averaged over --step-calls calls and
 one synchronisation.
@@ -51,6 +54,7 @@ def row_runners(numba_flash, torch, args, dtype, batch, heads, kv_heads, tokens,
     k_cache, v_cache = (torch.randn(batch, tokens, kv_heads, 128, generator=gen, device="cuda",
                                     dtype=torch_dtype) for _ in range(2))
     lengths = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
+    host_lengths = lengths.cpu()
     fns = {}
     for backend in args.backends:
         for splits in [0] + args.splits:
@@ -58,6 +62,8 @@ def row_runners(numba_flash, torch, args, dtype, batch, heads, kv_heads, tokens,
             fns[label] = (lambda backend=backend, splits=splits: numba_flash.forward_kvcache(
                 q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits,
                 backend=backend))
+        fns[f"{backend} host lengths"] = (lambda backend=backend: numba_flash.forward_kvcache(
+            q, k_cache, v_cache, cache_seqlens=host_lengths, backend=backend))
     for block_size in args.block_sizes:
         blocks = batch * tokens // block_size
         order = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32)

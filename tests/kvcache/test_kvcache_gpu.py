@@ -132,3 +132,42 @@ def test_a_cache_that_cp_async_cannot_read(cp, rng):
     want, _ = numba_flash.forward_kvcache(q, k_cache.copy(), v_cache.copy(), cache_seqlens=3,
                                           backend="numba-mma")
     np.testing.assert_allclose(out.get(), want.get(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+def test_lengths_and_pages_given_on_the_host(cp, rng, monkeypatch, library):
+    """cache_seqlens and block_table as host arrays with q on the GPU: checked without reading
+    anything back from the GPU, in the full path and the replay, with the results of the same
+    call given them on the GPU; bad host values refused with the caches untouched."""
+    from numba_flash import kvcache
+    torch = pytest.importorskip("torch")
+    batch, block_size, max_blocks = 3, 16, 8
+
+    def values(shape):
+        x = cp.asarray(rng.standard_normal(shape), cp.float16)
+        return torch.from_dlpack(x) if library == "torch" else x
+
+    q = values((batch, 1, 8, 128))
+    k_cache, v_cache = (values((batch * max_blocks, block_size, 2, 128)) for _ in range(2))
+    table = rng.permutation(batch * max_blocks).reshape(batch, max_blocks).astype(np.int32)
+    host = torch.from_numpy if library == "torch" else np.asarray
+    read_back = kvcache.host_values
+    for lengths in ([5, 100, 0], [128, 1, 77]):
+        lengths = np.asarray(lengths, np.int32)
+        on_gpu = numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=cp.asarray(lengths),
+                                             block_table=cp.asarray(table), backend="numba")
+        monkeypatch.setattr(kvcache, "host_values", None)  # nothing is read back
+        for _ in range(2):  # the full path, then a replay
+            got = numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=host(lengths),
+                                              block_table=host(table), backend="numba")
+            for a, b in zip(got, on_gpu):
+                assert bool(cp.all(cp.asarray(a) == cp.asarray(b)))
+        monkeypatch.setattr(kvcache, "host_values", read_back)
+    before = [cp.asarray(x).copy() for x in (k_cache, v_cache)]
+    k_new = values((batch, 1, 2, 128))
+    with pytest.raises(ValueError, match="sequence 0 would hold 129 tokens"):
+        numba_flash.forward_kvcache(q, k_cache, v_cache, k=k_new, v=k_new,
+                                    cache_seqlens=host(np.full(batch, 128, np.int32)),
+                                    block_table=host(table), backend="numba")
+    for x, was in zip((k_cache, v_cache), before):
+        assert bool(cp.all(cp.asarray(x) == was))
