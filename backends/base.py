@@ -12,6 +12,15 @@ A backend may also say how to repeat a call cheaply (`forward_and_replay`,
 """
 from numba_flash.extras import NO_EXTRAS
 
+#: what a replay keeps in place of each array a call gives (with_arrays fills them in again):
+#: a replay outlives its first call and must not keep that call's arrays (GPU memory) alive
+_GIVEN = True
+
+
+def _form(extras):
+    """extras with _GIVEN for each array it holds."""
+    return extras.with_arrays((_GIVEN,) * len(extras.arrays()))
+
 
 class Backend:
     """Base class for backends. Subclasses set `name` and `dtypes` and implement the methods."""
@@ -46,11 +55,14 @@ class Backend:
         """(forward_kvcache's result, replay): replay(q, k_cache, v_cache, *cache.arrays(),
         *extras.arrays()) repeats the call on new arrays of the same signature, whose values
         the public API has checked. By default it is forward_kvcache itself."""
+        given = len(cache.arrays())
+        cache_form = cache.with_arrays(None, None, (_GIVEN,) * given)
+        extras_form = _form(extras)
+
         def replay(q, k_cache, v_cache, *arrays):
-            given = len(cache.arrays())
-            return self.forward_kvcache(spec, q, cache.with_arrays(k_cache, v_cache,
-                                                                   arrays[:given]),
-                                        extras.with_arrays(arrays[given:]))
+            return self.forward_kvcache(
+                spec, q, cache_form.with_arrays(k_cache, v_cache, arrays[:given]),
+                extras_form.with_arrays(arrays[given:]))
         return self.forward_kvcache(spec, q, cache, extras), replay
 
     def forward_and_replay(self, spec, q, k, v, extras=NO_EXTRAS):
@@ -58,15 +70,20 @@ class Backend:
         new arrays of the same signature (spec, shapes, strides, dtypes, device, library,
         16-byte alignment). By default it is forward itself; the public API's checks and
         backend choice, already made for that signature, are what a repeat skips."""
+        extras_form = _form(extras)
+
         def replay(q, k, v, *extra_arrays):
-            return self.forward(spec, q, k, v, extras.with_arrays(extra_arrays))
+            return self.forward(spec, q, k, v, extras_form.with_arrays(extra_arrays))
         return self.forward(spec, q, k, v, extras), replay
 
     def backward_and_replay(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         """(backward's result, replay of (dout, q, k, v, out, lse, *extras.arrays())), as
         forward_and_replay."""
+        extras_form = _form(extras)
+
         def replay(dout, q, k, v, out, lse, *extra_arrays):
-            return self.backward(spec, dout, q, k, v, out, lse, extras.with_arrays(extra_arrays))
+            return self.backward(spec, dout, q, k, v, out, lse,
+                                 extras_form.with_arrays(extra_arrays))
         return self.backward(spec, dout, q, k, v, out, lse, extras), replay
 
     def __repr__(self):

@@ -91,8 +91,9 @@ def host_like(values, ref, dtype=None):
 
 def device_copy_like(values, ref):
     """NumPy `values` copied to device array ref's GPU, as an array of ref's library, queued on
-    the current stream without waiting for the work queued before it (the host copy goes
-    through a staging buffer: `values` may change as soon as this returns)."""
+    the caller's current stream (caller_stream_handle's, which the launches use) without
+    waiting for the work queued before it (the host copy goes through a staging buffer:
+    `values` may change as soon as this returns)."""
     kind = array_kind(ref)
     values = np.ascontiguousarray(values)
     if kind == CUPY:
@@ -103,8 +104,9 @@ def device_copy_like(values, ref):
         import torch
         return torch.from_numpy(values).to(ref.device, non_blocking=True)
     from numba import cuda
-    with cuda.gpus[device_id(ref)]:
-        return cuda.to_device(values)
+    with cuda.gpus[device_id(ref)]:  # (a plain to_device would wait on the legacy stream)
+        stream = cuda.external_stream(caller_stream_handle(ref) or 1)  # (None: the legacy one)
+        return cuda.to_device(values, stream=stream)
 
 
 def empty_like_kind(ref, shape, dtype):

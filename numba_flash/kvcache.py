@@ -29,10 +29,12 @@ class KVCache(NamedTuple):
     nheads_kv, headdim) to write at positions cache_seqlens[b] onward first, or None.
     cache_seqlens: int32 (batch,) array, or None with fixed_seqlen >= 0 standing for every
     sequence's count (-1 with an array). block_table: int32 (batch, max_blocks) or None.
-    capacity: the most keys a sequence's cache holds (seqlen_cache, or max_blocks x block_size
-    when paged): a bound of every call with these shapes, so that what a backend decides from
-    it (the split of the key axis) holds for the call's replays. num_splits: the splits of the
-    key axis asked for (0: the backend chooses)."""
+    capacity: the most keys a sequence holds, what a backend sizes the split of the key axis
+    by: the cache's capacity (seqlen_cache, or max_blocks x block_size when paged), a bound of
+    every call with these shapes, so that the splits hold for the call's replays; with
+    cache_seqlens an int (a call never replayed), that int + new_tokens, so that short
+    sequences in a large cache take few splits. num_splits: the splits of the key axis asked
+    for (0: the backend chooses)."""
     k_cache: object
     v_cache: object
     k_new: object
@@ -154,9 +156,9 @@ def _host_values_to_device(q, cache_seqlens, block_table):
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
                   known=(None, None)):
-    """The KVCache of a call, every argument checked (ValueError / TypeError naming it);
-    known: the host values of cache_seqlens and block_table where the caller has them (else
-    they are read)."""
+    """The KVCache of a call, every argument but num_splits (forward_kvcache's first check)
+    checked (ValueError / TypeError naming it); known: the host values of cache_seqlens and
+    block_table where the caller has them (else they are read)."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, x in arrays.items():
         _checks.check_array(name, x)
@@ -181,7 +183,6 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     if dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"q must be floating point ({', '.join(_checks.FLOAT_DTYPES)}); got "
                         f"{dtype}")
-    _check_num_splits(num_splits)
 
     if block_table is None:
         if pages < batch:
@@ -233,7 +234,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     _checks.check_same_place(arrays)
     _check_values(_cached(batch, cache_seqlens, fixed, known[0]), new_tokens, capacity,
                   block_table, known[1], page_rows, pages)
-    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, capacity,
+    keys = fixed + new_tokens if fixed >= 0 else capacity  # (None: fixed is the capacity)
+    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, keys,
                    int(num_splits))
 
 

@@ -134,17 +134,21 @@ def test_a_cache_that_cp_async_cannot_read(cp, rng):
     np.testing.assert_allclose(out.get(), want.get(), rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("library", ["cupy", "torch"])
+@pytest.mark.parametrize("library", ["cupy", "torch", "numba"])
 def test_lengths_and_pages_given_on_the_host(cp, rng, monkeypatch, library):
-    """cache_seqlens and block_table as host arrays with q on the GPU: checked without reading
-    anything back from the GPU, in the full path and the replay, with the results of the same
-    call given them on the GPU; bad host values refused with the caches untouched."""
-    from numba_flash import kvcache
+    """cache_seqlens and block_table as host arrays with q on the GPU (CuPy, torch, Numba
+    device arrays): checked without reading anything back from the GPU, in the full path and
+    the replay (Numba's arrays: the full path twice), with the results of the same call given
+    them on the GPU; bad host values refused with the caches untouched."""
+    from numba_flash import call_cache, kvcache
     torch = pytest.importorskip("torch")
     batch, block_size, max_blocks = 3, 16, 8
 
     def values(shape):
         x = cp.asarray(rng.standard_normal(shape), cp.float16)
+        if library == "numba":
+            from numba import cuda
+            return cuda.as_cuda_array(x)
         return torch.from_dlpack(x) if library == "torch" else x
 
     q = values((batch, 1, 8, 128))
@@ -157,6 +161,7 @@ def test_lengths_and_pages_given_on_the_host(cp, rng, monkeypatch, library):
         on_gpu = numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=cp.asarray(lengths),
                                              block_table=cp.asarray(table), backend="numba")
         monkeypatch.setattr(kvcache, "host_values", None)  # nothing is read back
+        call_cache.clear()  # (the copies of CuPy's host values have the GPU call's signature)
         for _ in range(2):  # the full path, then a replay
             got = numba_flash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=host(lengths),
                                               block_table=host(table), backend="numba")
