@@ -14,18 +14,34 @@ TORCH = "torch"
 CUDA = "cuda"  # any other object exposing __cuda_array_interface__ (e.g. Numba device arrays)
 
 
+@functools.lru_cache(maxsize=None)
+def _library_of(array_type):
+    """The top-level package of an array type: 'numpy', 'cupy', 'torch', ... (asked per type
+    once: a replayed call asks for every array it touches)."""
+    return (array_type.__module__ or "").split(".")[0]
+
+
+def library(x):
+    return _library_of(type(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_of(array_type):
+    """array_kind's answer where the type decides it (TORCH: CUDA or CPU, per tensor; None:
+    per object, by its __cuda_array_interface__)."""
+    if issubclass(array_type, np.ndarray):
+        return HOST
+    return {"cupy": CUPY, "torch": TORCH}.get(_library_of(array_type))
+
+
 def array_kind(x):
     """Return HOST, CUPY, TORCH or CUDA for an array, or None if it is not an array we know."""
-    module = type(x).__module__ or ""
-    if isinstance(x, np.ndarray):
-        return HOST
-    if module.startswith("cupy"):
-        return CUPY
-    if module.startswith("torch"):
+    kind = _kind_of(type(x))
+    if kind == TORCH:
         return TORCH if getattr(x, "is_cuda", False) else HOST
-    if hasattr(x, "__cuda_array_interface__"):
+    if kind is None and hasattr(x, "__cuda_array_interface__"):
         return CUDA
-    return None
+    return kind
 
 
 def is_device_kind(kind):
@@ -39,7 +55,7 @@ def dtype_name(x):
 
 @functools.lru_cache(maxsize=None)
 def _dtype_name(dtype):  # (NumPy's dtype.name costs microseconds, and every call asks often)
-    if type(dtype).__module__.startswith("torch"):
+    if _library_of(type(dtype)) == "torch":
         return str(dtype).replace("torch.", "")
     return np.dtype(dtype).name
 
@@ -50,7 +66,7 @@ def device_id(x):
     if kind == CUPY:
         return x.data.device_id  # (an int; x.device makes a Device object each call)
     if kind == TORCH:
-        return int(x.device.index)
+        return x.get_device()
     if kind == CUDA:
         from numba import cuda
         return int(cuda.get_current_device().id)
@@ -59,11 +75,11 @@ def device_id(x):
 
 def data_pointer(x):
     """The device address of a device array's first element."""
-    module = type(x).__module__ or ""
-    if module.startswith("cupy"):
-        return x.data.ptr
-    if module.startswith("torch"):
+    package = library(x)
+    if package == "torch":
         return x.data_ptr()
+    if package == "cupy":
+        return x.data.ptr
     return x.__cuda_array_interface__["data"][0]
 
 
@@ -82,7 +98,7 @@ def as_numpy(x):
 def host_like(values, ref, dtype=None):
     """NumPy `values` as a host array of ref's library (NumPy or CPU torch), in `dtype` (a name;
     default ref's dtype)."""
-    if type(ref).__module__.startswith("torch"):
+    if library(ref) == "torch":
         import torch
         tensor = torch.from_numpy(np.ascontiguousarray(values))
         return tensor.to(ref.dtype if dtype is None else getattr(torch, dtype))
@@ -113,14 +129,14 @@ def empty_like_kind(ref, shape, dtype):
     """A new uninitialised C-contiguous array of the same library and device as `ref`; dtype is
     a name ('float32', 'bfloat16', ...) or a NumPy dtype."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    module = type(ref).__module__ or ""
-    if module.startswith("cupy"):  # (first: a replayed call allocates here, microseconds count)
+    package = library(ref)
+    if package == "torch":  # CUDA or CPU tensors (first: a replayed call allocates here)
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, name), device=ref.device)
+    if package == "cupy":
         import cupy
         with _on_cupy_device(ref):
             return cupy.empty(shape, name)
-    if module.startswith("torch"):  # CUDA or CPU tensors
-        import torch
-        return torch.empty(shape, dtype=getattr(torch, name), device=ref.device)
     kind = array_kind(ref)
     if kind == HOST:
         return np.empty(shape, name)
@@ -159,6 +175,15 @@ def with_batch_axis(x):
     return _InterfaceView(x, (1,) + shape, (0,) + tuple(strides))
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_current_stream():
+    """device ordinal -> the raw handle of torch's current stream there, without building a
+    torch.cuda.Stream (microseconds per call); the public route where a build lacks it."""
+    import torch
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw_stream or (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
 def caller_stream_handle(x):
     """The caller's current stream for this array, as __cuda_array_interface__ encodes streams:
     a cudaStream_t, or 1 / None for the legacy default stream, 2 for the per-thread one."""
@@ -168,13 +193,7 @@ def caller_stream_handle(x):
         with _on_cupy_device(x):  # the stream current on the array's device
             return cupy.cuda.get_current_stream().ptr or 1
     if kind == TORCH:
-        import torch
-        # The raw handle, without building a torch.cuda.Stream (microseconds per call); the
-        # public route where a torch build lacks it.
-        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw_stream is not None:
-            return raw_stream(x.device.index) or 1
-        return torch.cuda.current_stream(x.device).cuda_stream or 1
+        return _torch_current_stream()(x.get_device()) or 1
     if kind == CUDA:  # the producer's stream, if the interface names one
         return x.__cuda_array_interface__.get("stream")
     return None
@@ -182,21 +201,19 @@ def caller_stream_handle(x):
 
 def detached(x):
     """torch tensors that require grad refuse to export their memory; the kernels only read it."""
-    return x.detach() if type(x).__module__.startswith("torch") else x
-
-
-def _library(x):
-    return (type(x).__module__ or "").split(".")[0]
+    return x.detach() if library(x) == "torch" else x
 
 
 def convert_like(x, ref):
     """Return x (an array of any library) as the library and device of `ref`, without copying
     when the library already matches (DLPack / __cuda_array_interface__ are zero-copy)."""
+    if type(x) is type(ref) and (library(x) != "torch" or x.is_cuda == ref.is_cuda):
+        return x  # (a replayed call's results: the usual case, first)
     kind = array_kind(ref)
-    if array_kind(x) == kind and _library(x) == _library(ref):  # (subclasses: nn.Parameter)
+    if array_kind(x) == kind and library(x) == library(ref):  # (subclasses: nn.Parameter)
         return x
     if kind == HOST:
-        if type(ref).__module__.startswith("torch"):  # a CPU torch tensor in, one out
+        if library(ref) == "torch":  # a CPU torch tensor in, one out
             import torch
             return torch.from_numpy(np.ascontiguousarray(as_numpy(x)))
         return as_numpy(x)

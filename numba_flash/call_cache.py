@@ -20,7 +20,7 @@ import os
 import threading
 from collections import OrderedDict
 
-from numba_flash import registry
+from numba_flash import _arrays, registry
 
 #: False under NUMBA_FLASH_REPLAY=0: no signature is kept, every call takes the full path
 ENABLED = os.environ.get("NUMBA_FLASH_REPLAY", "1").strip() != "0"
@@ -33,12 +33,12 @@ _lock = threading.Lock()
 
 
 def _array_signature(x):
-    module = type(x).__module__ or ""
+    package = _arrays.library(x)
     try:
-        if module.startswith("cupy"):
-            return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
-        if module.startswith("torch") and x.is_cuda:
-            return type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0
+        if package == "torch" and x.is_cuda:
+            return type(x), x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0
+        if package == "cupy":
+            return type(x), x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr % 16 == 0
     except (AttributeError, RuntimeError, TypeError):  # not a dense array: the checks say so
         return None
     return None

@@ -52,7 +52,7 @@ def merge(outs, lses):
     merged_lse = xp.where(seen, top + xp.log(xp.where(seen, total, xp.ones_like(total))),
                           xp.full_like(total, -np.inf))
     merged = _arrays.convert_like(merged, ref)
-    torch_ref = _arrays._library(ref) == "torch"
+    torch_ref = _arrays.library(ref) == "torch"
     merged = merged.to(ref.dtype) if torch_ref else merged.astype(ref.dtype)
     return merged, _arrays.convert_like(merged_lse.astype(np.float32), ref)
 

@@ -66,29 +66,44 @@ def tokens_per_second(torch, model, args):
             torch.cuda.max_memory_allocated() / 2**30)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_options(parser, steps):
+    """The model's and the timing's options (train_host.py takes them too)."""
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
-                        choices=IMPLEMENTATIONS)
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
+
+
+def set_up(script, args):
+    """(torch, transformers) with "numba_flash" registered and the model described, or None
+    (said) without a CUDA GPU."""
     import torch
     import transformers
     if not torch.cuda.is_available():
-        print("bench_train.py needs a CUDA GPU")
-        return 2
+        print(f"{script} needs a CUDA GPU")
+        return None
     import numba_flash.integrations.transformers as numba_transformers
     numba_transformers.register()
     print(f"Llama-style: {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
           f"({args.kv_heads} kv), seq {args.seqlen}, batch {args.batch}, bfloat16, AdamW")
+    return torch, transformers
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_options(parser, steps=10)
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
+                        choices=IMPLEMENTATIONS)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    libraries = set_up("bench_train.py", args)
+    if libraries is None:
+        return 2
+    torch, transformers = libraries
     results = {}
     for implementation in args.implementations:
         model = build(transformers, torch, args, implementation)

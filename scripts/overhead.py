@@ -4,7 +4,9 @@ At a tiny shape the GPU work is a few microseconds, so the time per call, with t
 synchronised after every call, is what a caller waits for beyond the kernels themselves.
 bench.py's timer includes it too (it records an event, calls, records an event), so at short
 sequences it decides part of the TFLOP/s. With --profile, cProfile's top entries for the
-numba forward and backward follow.
+numba forward and backward follow. The rows "model layout" take q, k, v as a transformers
+model hands them (bfloat16 views of (batch, heads, seqlen, headdim) tensors, GQA 4:1,
+requiring grad).
 
     python scripts/overhead.py [--calls 300] [--profile] [--backends numba numba-simt]
                                [--host-only]
@@ -86,6 +88,21 @@ def main(argv=None):
                 return numba_flash.forward(*tensors[:3], causal=True, backend="numba")
             name = str(dtype).replace("torch.", "")
             runs[f"numba forward, torch {name}"] = torch_fwd, torch.cuda.synchronize
+        # A training model's call (transformers' layout: (B, H, N, D) tensors seen as (B, N, H,
+        # D), bfloat16, GQA 4:1, q k v requiring grad, as numba_flash.torch.attention gets them).
+        layer = [torch.randn(batch, heads, n, head_dim, device="cuda", dtype=torch.bfloat16,
+                             requires_grad=True).transpose(1, 2)
+                 for heads in (nheads, max(1, nheads // 4), max(1, nheads // 4), nheads)]
+        layer_out, layer_lse = numba_flash.forward(*layer[:3], causal=True, backend="numba")
+
+        def layer_fwd():
+            return numba_flash.forward(*layer[:3], causal=True, backend="numba")
+
+        def layer_bwd():
+            return numba_flash.backward(layer[3], *layer[:3], layer_out, layer_lse, causal=True,
+                                        backend="numba")
+        runs["numba forward, model layout"] = layer_fwd, torch.cuda.synchronize
+        runs["numba backward, model layout"] = layer_bwd, torch.cuda.synchronize
         tq, tk, tv, tdout = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 

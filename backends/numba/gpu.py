@@ -7,7 +7,9 @@ SHARED_MEMORY_BYTES = 48 * 1024
 TENSOR_CORE_CC = (8, 0)
 
 
+@functools.lru_cache(maxsize=None)
 def simulator_enabled():
+    """Whether numba.cuda is the simulator (fixed when numba is imported; asked per launch)."""
     from numba import config
     return bool(config.ENABLE_CUDASIM)
 

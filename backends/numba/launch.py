@@ -15,6 +15,7 @@ checks the layout against Numba's data model) once per argument signature into a
 which then takes only the arrays' addresses and a stream to call cuLaunchKernel. Under the
 simulator the arrays are NumPy arrays and launches go through Numba as before.
 """
+import contextlib
 import ctypes
 import functools
 import math
@@ -22,6 +23,8 @@ import threading
 from typing import NamedTuple
 
 import numpy as np
+
+from numba_flash import _arrays
 
 from . import replay
 from .gpu import SHARED_MEMORY_BYTES
@@ -76,10 +79,10 @@ def device_view(x):
     array, a DeviceView)."""
     if isinstance(x, DeviceView):
         return x
-    module = type(x).__module__ or ""
-    if module.startswith("cupy"):
+    package = _arrays.library(x)
+    if package == "cupy":
         return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
-    if module.startswith("torch"):
+    if package == "torch":
         if not x.is_cuda:
             raise TypeError(f"a CUDA tensor is needed here; got one on {x.device}")
         name = str(x.dtype).replace("torch.", "")
@@ -176,14 +179,13 @@ def _pointers(args):
 
 def current_device():
     """The ordinal of the GPU whose context is current on this thread, or None."""
-    from numba.cuda.cudadrv.driver import binding
+    binding = _driver()
     error, device = binding.cuCtxGetDevice()
     return int(device) if error == binding.CUresult.CUDA_SUCCESS else None
 
 
 def on_device(device):
     """A context manager making `device` current, or nothing to do if it already is."""
-    import contextlib
     if current_device() == device:
         return contextlib.nullcontext()
     from numba import cuda

@@ -23,7 +23,7 @@ MAX_BLOCKS = 4096  # grid-stride beyond this: enough blocks to fill any current 
 def view(x, bits=False):
     """The kernels' view of x, sharing its memory: a DeviceView on the GPU, a NumPy array
     under the simulator; with bits=True, its 16-bit patterns as uint16."""
-    if type(x).__module__.startswith("torch"):
+    if _arrays.library(x) == "torch":
         x = x.detach()
         if bits:
             import torch

@@ -217,7 +217,7 @@ def _write_back(cache, k_view, v_view, bits):
     """Under the simulator: the appended caches into the caller's host arrays, where
     marshal.view had to copy them (a cache that is not C-contiguous)."""
     for x, written in ((cache.k_cache, k_view), (cache.v_cache, v_view)):
-        if type(x).__module__.startswith("torch"):
+        if _arrays.library(x) == "torch":
             import torch
             target = (x.detach().view(torch.int16) if bits else x.detach()).numpy()
         else:
