@@ -18,21 +18,25 @@ the Hugging Face hub) with this module's `flash_attn_func` and `flash_attn_varle
 which take flash-attn's arguments. No paged-cache function (`flash_attn_with_kvcache`):
 transformers' continuous batching does not take this implementation.
 
-At batch 1 without a padding mask that wrapper asks, in every layer, whether position_ids
-describe several packed sequences, by reading them on the host (`_is_packed_sequence`): a
-synchronisation per layer, after which the host no longer launches ahead of the GPU.
-`attention_forward` asks once per position_ids tensor (a model passes one to all its
-layers) and, for one plain sequence, leaves position_ids out of the wrapper's call, which
-then takes the dense path without asking.
+`attention_forward` takes the wrapper's dense path itself (no padding mask, one sequence per
+batch row: the usual training and prefill call), computing what the wrapper passes
+(causal, the window, softcap, scale) without its generic keyword plumbing, which costs host
+time in every layer of a step that the host bounds. At batch 1 the wrapper asks, in every
+layer, whether position_ids describe several packed sequences, by reading them on the host
+(`_is_packed_sequence`): a synchronisation per layer, after which the host no longer
+launches ahead of the GPU; `attention_forward` asks once per position_ids tensor (a model
+passes one to all its layers). Everything else (padding, packed or paged sequences, float32
+inputs the wrapper casts) goes through the wrapper.
 
 Dropout inside attention (`attention_dropout` > 0 while training) and attention sinks
 (`s_aux`) are refused: numba_flash has neither yet. Tested with transformers 5.2x.
 """
 import functools
+import weakref
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface, modeling_flash_attention_utils
+from transformers.integrations import flash_attention as _transformers_flash
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -55,31 +59,62 @@ def register(backend="auto"):
         modeling_flash_attention_utils._lazy_imports = _answering_for_us(imports)
 
 
-#: {position_ids tensor: (its version, whether it describes packed sequences)}, keyed by
-#: identity (a plain WeakKeyDictionary compares keys with ==, elementwise for tensors)
-_packed_answers = WeakTensorKeyDictionary()
+#: [a weak reference to the last position_ids asked about, its version, the answer]: a model
+#: passes one position_ids tensor to all its layers
+_packed_answer = [lambda: None, None, None]
 
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers' flash_attention_forward, asking whether position_ids describe packed
-    sequences once per position_ids tensor instead of once per layer (see the module's
-    docstring); the same answer, so the same path and result."""
-    position_ids = kwargs.get("position_ids")
-    if (position_ids is not None and query.shape[0] == 1 and attention_mask is None
-            and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling()
-            and not _packed(position_ids)):
-        kwargs = dict(kwargs, position_ids=None)
+    """transformers' flash_attention_forward, with its dense path (no padding mask, one
+    sequence per batch row) taken here directly and its question whether position_ids
+    describe packed sequences asked once per position_ids tensor instead of once per layer
+    (see the module's docstring): the same path and result, for less host time per layer."""
+    if attention_mask is None and _dense_kwargs(query, value, kwargs):
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None or query.shape[0] != 1 or position_ids.shape[-1] == 1:
+            return _dense(module, query, key, value, **kwargs), None
+        if not torch.compiler.is_compiling() and not _packed(position_ids):
+            return _dense(module, query, key, value, **kwargs), None
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+#: what sends a call through transformers' wrapper rather than its dense path: packed or
+#: paged sequences, or the wrapper's own handling (a warning, a cast, a padded value, an
+#: empty query's error)
+_WRAPPER_KWARGS = frozenset(("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                             "block_table", "output_attentions"))
+
+
+def _dense_kwargs(query, value, kwargs):
+    if query.dtype == torch.float32 or value.shape[-1] != query.shape[-1] or 0 in query.shape:
+        return False
+    return all(kwargs[name] is None or kwargs[name] is False
+               for name in _WRAPPER_KWARGS.intersection(kwargs))
+
+
+def _dense(module, query, key, value, dropout=0.0, scaling=None, sliding_window=None,
+           softcap=None, is_causal=None, s_aux=None, **_):
+    """What flash_attention_forward computes on its dense path, from transformers' (batch,
+    heads, seqlen, headdim) arguments: causal from the call or the module (not for one
+    query where the wrapper aligns the mask top-left), a sliding window of `sliding_window`
+    tokens where the keys outnumber it."""
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    causal = module.is_causal if is_causal is None else is_causal
+    causal = causal and not (_transformers_flash._use_top_left_mask and seqlen_q == 1)
+    window = ((sliding_window - 1, sliding_window - 1)
+              if sliding_window is not None and seqlen_k > sliding_window else (-1, -1))
+    return flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                           dropout, scaling, causal, window, softcap, s_aux=s_aux)
 
 
 def _packed(position_ids):
     """transformers' own test (_is_packed_sequence, one host read), cached per tensor and
     version (a tensor written in place is asked again)."""
-    known = _packed_answers.get(position_ids)
-    if known is not None and known[0] == position_ids._version:
-        return known[1]
+    last, version, packed = _packed_answer
+    if last() is position_ids and version == position_ids._version:
+        return packed
     packed = bool(modeling_flash_attention_utils._is_packed_sequence(position_ids, 1))
-    _packed_answers[position_ids] = (position_ids._version, packed)
+    _packed_answer[:] = weakref.ref(position_ids), position_ids._version, packed
     return packed
 
 

@@ -158,6 +158,30 @@ def test_a_single_sequence_is_asked_about_packing_once_per_forward(registered, m
     assert len(packed_paths) == model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_the_dense_path_is_transformers_wrappers_path(registered, monkeypatch, name):
+    """Without padding the attention function computes transformers' dense path itself (its
+    wrapper is not called) and gives the wrapper's logits bit for bit (causal, GQA, windows,
+    softcap, scaling; float64, numpy backend); batch 1 with position_ids likewise; a padding
+    mask goes through the wrapper (un-padding: varlen)."""
+    registered("numpy")
+    model, = _models(name, ["numba_flash"], torch.float64)
+    wrapped, wrapper = [], numba_transformers.flash_attention_forward
+    monkeypatch.setattr(numba_transformers, "flash_attention_forward",
+                        lambda *args, **kwargs: wrapped.append(1) or wrapper(*args, **kwargs))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=gen)
+    got = [model(ids).logits, model(ids[:1], position_ids=torch.arange(SEQLEN)[None]).logits]
+    assert not wrapped
+    transformers.AttentionInterface.register("numba_flash", wrapper)
+    want = [model(ids).logits, model(ids[:1], position_ids=torch.arange(SEQLEN)[None]).logits]
+    registered("numpy")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _, mask = _batch(gen, padded=True)
+    model(ids, attention_mask=mask)
+    assert len(wrapped) == model.config.num_hidden_layers
+
+
 def test_the_flash_functions_refuse_dropout_sinks_and_bad_backends():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="dropout_p must be 0.0: numba_flash has no attention "
