@@ -16,8 +16,13 @@ CUDA = "cuda"  # any other object exposing __cuda_array_interface__ (e.g. Numba 
 
 @functools.lru_cache(maxsize=None)
 def _library_of(array_type):
-    """The top-level package of an array type: 'numpy', 'cupy', 'torch', ... (asked per type
-    once: a replayed call asks for every array it touches)."""
+    """The array library of a type: 'torch' or 'cupy' for theirs and their subclasses (a
+    torchvision tensor too), else its top-level package ('numpy', ...). Asked once per type:
+    a replayed call asks for every array it touches."""
+    for base in array_type.__mro__:
+        package = (base.__module__ or "").split(".")[0]
+        if package in ("torch", "cupy"):
+            return package
     return (array_type.__module__ or "").split(".")[0]
 
 
@@ -207,7 +212,7 @@ def detached(x):
 def convert_like(x, ref):
     """Return x (an array of any library) as the library and device of `ref`, without copying
     when the library already matches (DLPack / __cuda_array_interface__ are zero-copy)."""
-    if type(x) is type(ref) and (library(x) != "torch" or x.is_cuda == ref.is_cuda):
+    if type(x) is type(ref) and (_kind_of(type(x)) != TORCH or x.is_cuda == ref.is_cuda):
         return x  # (a replayed call's results: the usual case, first)
     kind = array_kind(ref)
     if array_kind(x) == kind and library(x) == library(ref):  # (subclasses: nn.Parameter)

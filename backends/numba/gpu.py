@@ -9,8 +9,9 @@ TENSOR_CORE_CC = (8, 0)
 
 @functools.lru_cache(maxsize=None)
 def simulator_enabled():
-    """Whether numba.cuda is the simulator (fixed when numba is imported; asked per launch)."""
-    from numba import config
+    """Whether numba.cuda is the simulator (decided when numba.cuda is imported, so imported
+    first; asked per launch)."""
+    from numba import config, cuda  # noqa: F401
     return bool(config.ENABLE_CUDASIM)
 
 

@@ -59,9 +59,9 @@ def register(backend="auto"):
         modeling_flash_attention_utils._lazy_imports = _answering_for_us(imports)
 
 
-#: [a weak reference to the last position_ids asked about, its version, the answer]: a model
+#: (a weak reference to the last position_ids asked about, its version, the answer): a model
 #: passes one position_ids tensor to all its layers
-_packed_answer = [lambda: None, None, None]
+_packed_answer = (lambda: None, None, None)
 
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -110,11 +110,15 @@ def _dense(module, query, key, value, dropout=0.0, scaling=None, sliding_window=
 def _packed(position_ids):
     """transformers' own test (_is_packed_sequence, one host read), cached per tensor and
     version (a tensor written in place is asked again)."""
+    global _packed_answer
+    if position_ids.is_inference():  # (no version counter: asked each time)
+        return bool(modeling_flash_attention_utils._is_packed_sequence(position_ids, 1))
     last, version, packed = _packed_answer
     if last() is position_ids and version == position_ids._version:
         return packed
+    version = position_ids._version
     packed = bool(modeling_flash_attention_utils._is_packed_sequence(position_ids, 1))
-    _packed_answer[:] = weakref.ref(position_ids), position_ids._version, packed
+    _packed_answer = weakref.ref(position_ids), version, packed
     return packed
 
 

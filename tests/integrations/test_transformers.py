@@ -37,7 +37,7 @@ def _configs():
         "mistral-window": (transformers.MistralConfig(**SMALL, sliding_window=5), "sdpa", False),
         "gemma2-softcap": (transformers.Gemma2Config(
             **SMALL, sliding_window=5, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-            query_pre_attn_scalar=8), "eager", False),
+            query_pre_attn_scalar=16), "eager", False),
         "qwen2": (transformers.Qwen2Config(**SMALL), "sdpa", True),
     }
 
@@ -180,6 +180,18 @@ def test_the_dense_path_is_transformers_wrappers_path(registered, monkeypatch, n
     _, mask = _batch(gen, padded=True)
     model(ids, attention_mask=mask)
     assert len(wrapped) == model.config.num_hidden_layers
+
+
+def test_a_single_sequence_under_inference_mode(registered):
+    """Inference tensors have no version counter: the packed-sequence answer is not cached
+    for them, and the model runs (the same logits as outside inference mode)."""
+    registered("numpy")
+    model, = _models("llama-gqa", ["numba_flash"], torch.float64)
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(3))
+    want = model(ids).logits
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert torch.equal(got, want)
 
 
 def test_the_flash_functions_refuse_dropout_sinks_and_bad_backends():
