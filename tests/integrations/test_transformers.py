@@ -182,6 +182,27 @@ def test_the_dense_path_is_transformers_wrappers_path(registered, monkeypatch, n
     assert len(wrapped) == model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_a_model_compiled_with_fullgraph(registered, name):
+    """torch.compile(model, fullgraph=True) traces a model whose attention is ours (the dense
+    path calls the numba_flash::forward op, no graph break; without an attention_mask, whose
+    all-ones test in transformers' flash mask is data-dependent) and gives eager's logits and
+    gradients (float64, numpy backend)."""
+    registered("numpy")
+    eager, compiled = _models(name, ["numba_flash"] * 2, torch.float64)
+    ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=torch.Generator().manual_seed(4))
+
+    def step(model, run):
+        out = run(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    want = step(eager, eager)
+    got = step(compiled, torch.compile(compiled, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys() and all(g is not None for g in want[1].values())
+    assert all(torch.allclose(got[1][n], want[1][n], rtol=1e-12, atol=1e-12) for n in want[1])
+
+
 def test_a_single_sequence_under_inference_mode(registered):
     """Inference tensors have no version counter: the packed-sequence answer is not cached
     for them, and the model runs (the same logits as outside inference mode)."""
