@@ -8,6 +8,7 @@ peak memory torch allocated. Needs a CUDA GPU, torch and transformers.
 
     python scripts/bench_train.py [--layers 12] [--d-model 1024] [--heads 16] [--kv-heads 4]
                                   [--seqlen 4096] [--batch 1] [--json results.json]
+                                  [--compile {default,reduce-overhead}]
 """
 import argparse
 import contextlib
@@ -44,9 +45,12 @@ def tokens_per_second(torch, model, args):
     """(tokens / s, ms per step, peak GiB) of training steps on random tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
+    run = model if args.compile is None else torch.compile(model, mode=args.compile)
 
     def step():
-        loss = model(ids, labels=ids).loss
+        if args.compile == "reduce-overhead":  # (a new step: CUDA graphs may reuse its memory)
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = run(ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -98,12 +102,18 @@ def main(argv=None):
     model_options(parser, steps=10)
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS),
                         choices=IMPLEMENTATIONS)
+    parser.add_argument("--compile", choices=("default", "reduce-overhead"),
+                        help="time torch.compile(model, mode=...) instead of eager (the warm-up "
+                             "steps compile; reduce-overhead replays CUDA graphs, so the host's "
+                             "Python is out of the step)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     libraries = set_up("bench_train.py", args)
     if libraries is None:
         return 2
     torch, transformers = libraries
+    if args.compile:
+        print(f"each model through torch.compile(mode={args.compile!r})")
     results = {}
     for implementation in args.implementations:
         model = build(transformers, torch, args, implementation)
