@@ -80,11 +80,26 @@ def device_id(x):
 
 def data_pointer(x):
     """The device address of a device array's first element."""
-    package = library(x)
+    return pointer_getter(type(x))(x)
+
+
+@functools.lru_cache(maxsize=None)
+def pointer_getter(array_type):
+    """data_pointer for arrays of this type, chosen once (a replay reads its arrays' addresses
+    through these on every call)."""
+    package = _library_of(array_type)
     if package == "torch":
-        return x.data_ptr()
+        return array_type.data_ptr
     if package == "cupy":
-        return x.data.ptr
+        return _cupy_pointer
+    return _interface_pointer
+
+
+def _cupy_pointer(x):
+    return x.data.ptr
+
+
+def _interface_pointer(x):
     return x.__cuda_array_interface__["data"][0]
 
 

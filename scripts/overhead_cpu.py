@@ -2,9 +2,11 @@
 
 A proxy for overhead.py's host-only rows where no GPU is at hand: torch CPU tensors stand in
 for CUDA ones (torch.Tensor.is_cuda reads True), the driver calls are stubbed (the launch, the
-current-device and current-stream queries), and each call's replay is built by hand with the
-allocations and launches the Hopper engine records for it (the forward: out and lse, one
-launch; the backward: dq, dk, dv and the row sums, three launches). What remains is our
+current-device and current-stream queries, the device's ordinal), and each call's replay is
+built (replay.build_replay) from a record made by hand of the allocations and launches the
+Hopper engine records for it (the forward: out and lse, one launch; the backward: dq, dk, dv
+and the row sums, three launches), so that any tree with build_replay runs it (a tree on
+PYTHONPATH, from this folder: compare trees here). What remains is our
 Python on the path of a repeated call: the public function, the spec, the signature, the call
 cache, the allocations (torch.empty on the CPU), the pointers and the parameter packing.
 Rows: api.forward and api.backward at a training model's layout (bfloat16 views of (B, H, N,
@@ -35,6 +37,8 @@ def stub_the_gpu(torch):
     launch.current_device = lambda: -1  # (a CPU tensor's get_device(): on that device already)
     launch._driver_launch = lambda *args: None
     _arrays._torch_current_stream = lambda: (lambda device: 7)
+    torch._C._cuda_getCurrentRawStream = lambda device: 7  # (where a tree asks torch directly)
+    _arrays.device_id = lambda x: -1  # (a CPU tensor has no device index to read)
 
 
 def recorded_replays(torch, q, k, v, dout):
@@ -46,20 +50,31 @@ def recorded_replays(torch, q, k, v, dout):
     backend, spec = get_backend("numba"), make_spec(q, k, causal=True)
     (batch, seqlen, heads, head_dim), heads_kv = q.shape, k.shape[2]
 
-    def prepared(arrays):  # a kernel of 120 parameter slots, an array's address every 13th
-        return launch.PreparedLaunch(0, (32, heads, batch), (384,), 200_000,
-                                     [0] * 120, [4 + 13 * i for i in range(arrays)])
-    forward = replay.Replay(backend, (((batch, seqlen, heads, head_dim), "bfloat16"),
-                                      ((batch, heads, seqlen), "float32")),
-                            ((prepared(5), (0, 1, 2, 3, 4)),), (3, 4), 0)
+    def recorded(inputs, allocations, launches, results, ref):
+        """build_replay of a record: allocations (shape, dtype), launches as the positions of
+        their arrays among inputs + allocations, results likewise."""
+        record = replay.Recording()
+        made = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in allocations]
+        record.allocations = [(*allocation, x) for allocation, x in zip(allocations, made)]
+        arrays = [*inputs, *made]
+        for roles in launches:  # (a kernel of 120 parameter slots, an address every 13th)
+            prepared = launch.PreparedLaunch(0, (32, heads, batch), (384,), 200_000, [0] * 120,
+                                             [4 + 13 * i for i in range(len(roles))])
+            record.launches.append((prepared, [arrays[r].data_ptr() for r in roles]))
+        built = replay.build_replay(backend, record, inputs, [arrays[r] for r in results], ref)
+        assert built is not None
+        return built, [arrays[r] for r in results]
+    forward, (out, lse) = recorded((q, k, v), [((batch, seqlen, heads, head_dim), "bfloat16"),
+                                               ((batch, heads, seqlen), "float32")],
+                                   [(0, 1, 2, 3, 4)], (3, 4), 0)
     call_cache.put(call_cache.signature("forward", "auto", spec, (q, k, v)), forward)
-    out, lse = forward(q, k, v)
     kv_shape = (batch, seqlen, heads_kv, head_dim)
-    backward = replay.Replay(backend, (((batch, seqlen, heads, head_dim), "bfloat16"),
-                                       (kv_shape, "bfloat16"), (kv_shape, "bfloat16"),
-                                       ((batch, heads, seqlen), "float32")),
-                             ((prepared(3), (0, 4, 9)), (prepared(8), (0, 1, 2, 3, 5, 9, 7, 8)),
-                              (prepared(7), (0, 1, 2, 3, 5, 9, 6))), (6, 7, 8), 1)
+    backward, _ = recorded((dout, q, k, v, out, lse),
+                           [((batch, seqlen, heads, head_dim), "bfloat16"),
+                            (kv_shape, "bfloat16"), (kv_shape, "bfloat16"),
+                            ((batch, heads, seqlen), "float32")],
+                           [(0, 4, 9), (0, 1, 2, 3, 5, 9, 7, 8), (0, 1, 2, 3, 5, 9, 6)],
+                           (6, 7, 8), 1)
     call_cache.put(call_cache.signature("backward", "auto", spec, (dout, q, k, v, out, lse)),
                    backward)
     return out, lse, (forward, backward)

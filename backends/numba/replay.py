@@ -54,18 +54,19 @@ class Replay:
     decides the library of the allocations (`backend._new`, looked up per call, so a test that
     patches it still sees every allocation), the stream (`backend._stream`) and the GPU made
     current (`backend._on_device`)."""
-    __slots__ = ("backend", "allocations", "launches", "results", "ref")
+    __slots__ = ("backend", "allocations", "launches", "results", "ref", "pointer_getters")
 
-    def __init__(self, backend, allocations, launches, results, ref):
+    def __init__(self, backend, allocations, launches, results, ref, pointer_getters):
         self.backend, self.allocations = backend, allocations
         self.launches, self.results, self.ref = launches, results, ref
+        self.pointer_getters = pointer_getters  # (per array: the types are the signature's)
 
     def __call__(self, *inputs):
         backend, ref = self.backend, inputs[self.ref]
         with backend._on_device(ref):
             arrays = list(inputs)
             arrays += [backend._new(ref, shape, dtype) for shape, dtype in self.allocations]
-            pointers = [_arrays.data_pointer(x) for x in arrays]
+            pointers = [get(x) for get, x in zip(self.pointer_getters, arrays)]
             stream = backend._stream(ref)
             for prepared, roles in self.launches:
                 prepared(stream, [pointers[role] for role in roles])
@@ -90,4 +91,5 @@ def build_replay(backend, record, inputs, results, ref=0):
     except (KeyError, StopIteration):
         return None
     allocations = tuple((shape, dtype) for shape, dtype, _ in record.allocations)
-    return Replay(backend, allocations, launches, result_roles, ref)
+    getters = tuple(_arrays.pointer_getter(type(x)) for x in arrays)
+    return Replay(backend, allocations, launches, result_roles, ref, getters)
