@@ -2,12 +2,12 @@
 
 For each attention: the step's time on the GPU's clock (CUDA events) and on the host's (the
 time to issue one step, the stream drained before it, not after), the host time of the
-attention function transformers calls per layer, and, for numba_flash, of its forward and
-backward calls (numba_flash.api, the backward on autograd's thread); the synchronisations
-torch reports during one step (torch.cuda.set_sync_debug_mode); with --profile, cProfile's
-top entries of numba_flash's forward and backward calls inside the step; the garbage
-collections per step (and with --gc-off the step without them). Needs a CUDA GPU,
-torch and transformers.
+attention function transformers calls per layer and of its backward node (on autograd's
+thread), and, for numba_flash, of its forward and backward calls (numba_flash.api); the
+synchronisations torch reports during one step (torch.cuda.set_sync_debug_mode); with
+--profile, cProfile's top entries of numba_flash's forward and backward calls inside the
+step; the garbage collections per step (and with --gc-off the step without them). Needs a
+CUDA GPU, torch and transformers.
 
     python scripts/train_host.py [bench_train.py's model options] [--steps 5] [--profile]
                                  [--gc-off]
@@ -56,7 +56,7 @@ class HostTimer:
     def report(self, steps):
         for name, seconds in self.seconds.items():
             us = sorted(1e6 * s for s in seconds)
-            print(f"    {name:34s} us per call: median {statistics.median(us):7.1f}, mean "
+            print(f"    {name:38s} us per call: median {statistics.median(us):7.1f}, mean "
                   f"{statistics.mean(us):7.1f}, max {us[-1]:8.1f}; {len(us) // steps} calls, "
                   f"{1e-3 * sum(us) / steps:6.2f} ms per step")
 
@@ -120,13 +120,43 @@ def torch_syncs(torch, step):
     return [str(w.message).splitlines()[0] for w in caught]
 
 
+#: the autograd nodes of the attention itself (SDPA's backends, ours), by name
+ATTENTION_NODES = ("ScaledDotProduct", "FlashAttentionFunction")
+
+
+def time_backward_node(timer, name, output):
+    """Time, on autograd's thread, the backward node of the attention that made `output`
+    (found among the few nodes transformers puts after it: transposes, a copy)."""
+    nodes = [output.grad_fn]
+    for _ in range(6):
+        node = next((n for n in nodes if n is not None
+                     and any(a in n.name() for a in ATTENTION_NODES)), None)
+        if node is not None:
+            break
+        nodes = [n for parent in nodes if parent is not None
+                 for n, _ in parent.next_functions]
+    else:
+        return
+    started = []
+    node.register_prehook(lambda grads: started.append(time.perf_counter()))
+    node.register_hook(lambda inputs, outputs: timer.seconds[name].append(
+        time.perf_counter() - started.pop()))
+
+
 def wrap_attention(transformers, implementation, timer):
-    """Time the attention function transformers calls per layer; for numba_flash also its
-    forward and backward (numba_flash.torch calls them as api.forward / api.backward)."""
+    """Time the attention function transformers calls per layer and its backward node; for
+    numba_flash also its forward and backward (numba_flash.torch calls them as api.forward /
+    api.backward)."""
     interface = transformers.AttentionInterface
     name = implementation.split("-")[0]
-    interface.register(name, timer.wrap(f"{name} attention function",
-                                        interface._global_mapping[name]))
+    function = timer.wrap(f"{name} attention function", interface._global_mapping[name])
+
+    def timed(*args, **kwargs):
+        output, weights = function(*args, **kwargs)
+        if output.requires_grad:
+            time_backward_node(timer, f"{name} attention's backward node", output)
+        return output, weights
+    interface.register(name, timed)
     if name == "numba_flash":
         from numba_flash import api
         api.forward = timer.wrap("numba_flash.api.forward", api.forward, profiled=True)
