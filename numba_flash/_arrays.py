@@ -19,11 +19,8 @@ def _library_of(array_type):
     """The array library of a type: 'torch' or 'cupy' for theirs and their subclasses (a
     torchvision tensor too), else its top-level package ('numpy', ...). Asked once per type:
     a replayed call asks for every array it touches."""
-    for base in array_type.__mro__:
-        package = (base.__module__ or "").split(".")[0]
-        if package in ("torch", "cupy"):
-            return package
-    return (array_type.__module__ or "").split(".")[0]
+    packages = [(base.__module__ or "").split(".")[0] for base in array_type.__mro__]
+    return next((p for p in packages if p in ("torch", "cupy")), packages[0])
 
 
 def library(x):

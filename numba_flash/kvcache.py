@@ -29,7 +29,7 @@ class KVCache(NamedTuple):
     nheads_kv, headdim) to write at positions cache_seqlens[b] onward first, or None.
     cache_seqlens: int32 (batch,) array, or None with fixed_seqlen >= 0 standing for every
     sequence's count (-1 with an array). block_table: int32 (batch, max_blocks) or None.
-    capacity: the most keys a sequence holds, what a backend sizes the split of the key axis
+    max_keys: the most keys a sequence holds, what a backend sizes the split of the key axis
     by: the cache's capacity (seqlen_cache, or max_blocks x block_size when paged), a bound of
     every call with these shapes, so that the splits hold for the call's replays; with
     cache_seqlens an int (a call never replayed), that int + new_tokens, so that short
@@ -42,7 +42,7 @@ class KVCache(NamedTuple):
     cache_seqlens: object
     fixed_seqlen: int
     block_table: object
-    capacity: int
+    max_keys: int
     num_splits: int
 
     def arrays(self):
@@ -234,8 +234,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     _checks.check_same_place(arrays)
     _check_values(_cached(batch, cache_seqlens, fixed, known[0]), new_tokens, capacity,
                   block_table, known[1], page_rows, pages)
-    keys = fixed + new_tokens if fixed >= 0 else capacity  # (None: fixed is the capacity)
-    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, keys,
+    max_keys = fixed + new_tokens if fixed >= 0 else capacity  # (None: fixed is the capacity)
+    return KVCache(k_cache, v_cache, k, v, cache_seqlens, fixed, block_table, max_keys,
                    int(num_splits))
 
 

@@ -41,31 +41,42 @@ def sdpa_backend(torch, implementation):
     return sdpa_kernel([kind])
 
 
-def tokens_per_second(torch, model, args):
-    """(tokens / s, ms per step, peak GiB) of training steps on random tokens."""
+def training_step(torch, model, ids, compile_mode=None):
+    """One training step (forward, backward, a fused AdamW step) of model on ids, as a
+    function; with compile_mode, through torch.compile(model, mode=compile_mode)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
-    run = model if args.compile is None else torch.compile(model, mode=args.compile)
+    run = model if compile_mode is None else torch.compile(model, mode=compile_mode)
 
     def step():
-        if args.compile == "reduce-overhead":  # (a new step: CUDA graphs may reuse its memory)
+        if compile_mode == "reduce-overhead":  # (a new step: CUDA graphs may reuse its memory)
             torch.compiler.cudagraph_mark_step_begin()
-        loss = run(ids, labels=ids).loss
-        loss.backward()
+        run(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return step
 
+
+def event_ms(torch, step, steps):
+    """ms per step on the GPU's clock: CUDA events around `steps` steps issued back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def tokens_per_second(torch, model, args):
+    """(tokens / s, ms per step, peak GiB) of training steps on random tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
+    step = training_step(torch, model, ids, args.compile)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.steps):
-        step()
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end) / args.steps
+    ms = event_ms(torch, step, args.steps)
     return (args.batch * args.seqlen / (ms / 1e3), ms,
             torch.cuda.max_memory_allocated() / 2**30)
 

@@ -61,14 +61,6 @@ class HostTimer:
                   f"{1e-3 * sum(us) / steps:6.2f} ms per step")
 
 
-def training_step(model, optimizer, ids):
-    def step():
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
 def issue_ms(torch, step, steps):
     """Median ms the host takes to issue one step, the stream drained before each."""
     times = []
@@ -79,17 +71,6 @@ def issue_ms(torch, step, steps):
         times.append(1e3 * (time.perf_counter() - start))
     torch.cuda.synchronize()
     return statistics.median(times)
-
-
-def event_ms(torch, step, steps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def gc_collections(step):
@@ -179,15 +160,13 @@ def main(argv=None):
     torch, transformers = libraries
     for implementation in args.implementations:
         model = bench_train.build(transformers, torch, args, implementation)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen),
                             device="cuda")
-
-        step = training_step(model, optimizer, ids)
+        step = bench_train.training_step(torch, model, ids)
         with bench_train.sdpa_backend(torch, implementation):
             for _ in range(args.warmup):
                 step()
-            gpu = event_ms(torch, step, args.steps)
+            gpu = bench_train.event_ms(torch, step, args.steps)
             host = issue_ms(torch, step, args.steps)
             syncs = torch_syncs(torch, step)
             print(f"\n== {implementation}: {gpu:.1f} ms per step (CUDA events), {host:.1f} ms "
@@ -199,10 +178,11 @@ def main(argv=None):
             print(f"    garbage collections per step, by generation: {collections_per_step}")
             if args.gc_off:
                 gc.disable()
-                print(f"    with the garbage collector off: {issue_ms(torch, step, args.steps):.1f}"
-                      f" ms to issue one step, {event_ms(torch, step, args.steps):.1f} ms per "
-                      f"step (CUDA events)")
+                host_off = issue_ms(torch, step, args.steps)
+                gpu_off = bench_train.event_ms(torch, step, args.steps)
                 gc.enable()
+                print(f"    with the garbage collector off: {host_off:.1f} ms to issue one "
+                      f"step, {gpu_off:.1f} ms per step (CUDA events)")
             profiled = args.profile and implementation == "numba_flash"
             timer = HostTimer(cProfile.Profile() if profiled else None)
             wrap_attention(transformers, implementation, timer)
@@ -213,7 +193,7 @@ def main(argv=None):
         if timer.profiled_calls:
             print(f"  cProfile of numba_flash's calls over {args.steps} steps (internal time)")
             pstats.Stats(timer.profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
-        del model, optimizer, step
+        del model, step
         torch.cuda.empty_cache()
     return 0
 

@@ -107,9 +107,9 @@ def test_the_splits_follow_an_int_cache_seqlens(rng):
     lengths; with an array, the cache's capacity (one for every call of a signature)."""
     call = _paged_call(rng, [1, 2, 3])
     arrays = (call["q"], call["k_cache"], call["v_cache"], call["k"], call["v"])
-    assert kvcache.check_kvcache(*arrays, 5, call["block_table"], 0).capacity == 6
+    assert kvcache.check_kvcache(*arrays, 5, call["block_table"], 0).max_keys == 6
     assert kvcache.check_kvcache(*arrays, call["cache_seqlens"], call["block_table"],
-                                 0).capacity == CAPACITY
+                                 0).max_keys == CAPACITY
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -188,7 +188,7 @@ def forward_kvcache(spec, q, cache, out, lse, alloc, stream, extras, kernels="au
     row_tiles = -(-seqlen_q * spec.group // rows)
     blocks = row_tiles * nheads_kv * batch
     splits = cache.num_splits or choose_splits(
-        blocks, visible_keys(spec, seqlen_q, cache.capacity), sm_count, blocks_per_sm)
+        blocks, visible_keys(spec, seqlen_q, cache.max_keys), sm_count, blocks_per_sm)
     out_part = marshal.view(alloc((splits, batch, seqlen_q, nheads, head_dim), "float32"))
     lse_part = marshal.view(alloc((splits, batch, nheads, seqlen_q), "float32"))
     slopes = lse_view
