@@ -23,23 +23,26 @@ import numpy as np
 import harness
 
 
-def call_us(fn, sync, calls, host_only=False):
-    """Median microseconds of fn(): with sync() after each call inside the timing, or, with
-    host_only, of fn() alone, the host's side of a call, the GPU's work overlapping (the
-    stream is drained every 100 calls, outside the timing)."""
-    fn()
-    sync()
-    times = []
-    for call in range(calls):
-        start = time.perf_counter()
+def time_rows(runs, calls, host_only=False, block=50):
+    """{row: median microseconds of one call} for runs {row: (fn, sync)}: the rows take turns
+    in blocks of `block` calls, so that a drift of the host's speed (large on the GPU
+    machines) falls on every row alike. Each call is timed with sync() after it, or, with
+    host_only, alone: the host's side of a call, the GPU's work overlapping (the stream is
+    drained after each block, outside the timing)."""
+    times = {row: [] for row in runs}
+    for fn, sync in runs.values():
         fn()
-        if not host_only:
+        sync()
+    for _ in range(-(-calls // block)):
+        for row, (fn, sync) in runs.items():
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                if not host_only:
+                    sync()
+                times[row].append(time.perf_counter() - start)
             sync()
-        times.append(time.perf_counter() - start)
-        if host_only and call % 100 == 99:
-            sync()
-    sync()
-    return 1e6 * statistics.median(times)
+    return {row: 1e6 * statistics.median(seconds) for row, seconds in times.items()}
 
 
 def main(argv=None):
@@ -121,9 +124,8 @@ def main(argv=None):
     how = "host side only" if args.host_only else "stream synchronised after each"
     print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 (CuPy unless named) causal, "
           f"{args.calls} calls, {how}")
-    for name, (fn, synchronize) in runs.items():
-        print(f"{name:32s} {call_us(fn, synchronize, args.calls, args.host_only):8.1f} us "
-              f"per call", flush=True)
+    for name, us in time_rows(runs, args.calls, args.host_only).items():
+        print(f"{name:32s} {us:8.1f} us per call", flush=True)
     if args.profile:
         for name in (f"{args.backends[0]} forward", f"{args.backends[0]} backward"):
             profile = cProfile.Profile()
