@@ -7,9 +7,9 @@ the same memory). K/V bytes read per second count each cached key and value once
 kernel must read); ours on --backends ("numba": the tensor-core decode kernel for these
 dtypes; "numba-simt": the SIMT one), with the splits' heuristic and any --splits forced;
 SDPA gets q (B, H, 1, D) and the caches as (B, H_kv, N, D) views (enable_gqa for GQA).
-"host lengths": ours with cache_seqlens given on the host (checked there, copied to the GPU
-without waiting), where the plain rows give it on the GPU (read back to be checked: each call
-waits for the work queued before it).
+"host lengths" (and "paged N host", the block table too): ours with cache_seqlens given on
+the host (checked there, copied to the GPU without waiting), where the plain rows give it on
+the GPU (read back to be checked: each call waits for the work queued before it).
 Times are CUDA-event medians (scripts/bench.py's Timer); "step" is the wall time of one call
 with the host's share (checks, the cache_seqlens read), averaged over --step-calls calls and
 one synchronisation.
@@ -69,10 +69,15 @@ def row_runners(numba_flash, torch, args, dtype, batch, heads, kv_heads, tokens,
         order = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32)
         table = order.reshape(batch, tokens // block_size)
         paged = [x.reshape(blocks, block_size, kv_heads, 128) for x in (k_cache, v_cache)]
+        host_table = table.cpu()
         for backend in args.backends:
             fns[f"{backend} paged {block_size}"] = (
                 lambda paged=paged, table=table, backend=backend: numba_flash.forward_kvcache(
                     q, *paged, cache_seqlens=lengths, block_table=table, backend=backend))
+            fns[f"{backend} paged {block_size} host"] = (
+                lambda paged=paged, table=host_table, backend=backend:
+                numba_flash.forward_kvcache(q, *paged, cache_seqlens=host_lengths,
+                                            block_table=table, backend=backend))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k_cache, v_cache))
     for name, kind in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                        ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):

@@ -117,15 +117,20 @@ def decode_kernel(spec, paged, stages):
     merge_rows = make_partials_merge(D, GROUP, ROWS, WARPS, WARPS)
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(k_tiles, v_tiles, tile_row, k_cache, v_cache, block_table, b, h_kv, n0,
-                  n_end):
-        """The warp's copies of keys n0 .. n0 + 15 (zero past n_end) into tile rows from
-        tile_row: one commit group."""
+    def tile_page(block_table, b, n0, block_size):
+        """Where keys n0 .. n0 + 15 of sequence b lie: (the cache's first index, the slot of
+        key n0). A tile lies in one page of a paged cache; the page and slot come from 32-bit
+        unsigned arithmetic (a 64-bit division is a long instruction sequence)."""
+        if not paged:
+            return b, n0
+        page_of = uint32(n0) // uint32(block_size)
+        return block_table[b, page_of], uint32(n0) - page_of * uint32(block_size)
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(k_tiles, v_tiles, tile_row, k_cache, v_cache, page, slot0, h_kv, n0, n_end):
+        """The warp's copies of keys n0 .. n0 + 15 (zero past n_end), which lie in `page` from
+        slot0 on (tile_page), into tile rows from tile_row: one commit group."""
         lane = cuda.threadIdx.x % 32
-        page, slot0 = b, n0
-        if paged:  # (the tile lies in one page)
-            block_size = k_cache.shape[1]
-            page, slot0 = block_table[b, n0 // block_size], n0 % block_size
         for i in range(WARP_KEYS * CHUNKS // 32):
             c = lane + 32 * i
             j, col = c // CHUNKS, c % CHUNKS * 8
@@ -186,13 +191,21 @@ def decode_kernel(spec, paged, stages):
                     token, h, size = row // GROUP, h_kv * GROUP + row % GROUP, 16
                 cp_async_16(q_tile, r, col, q, b, token, h, col, size)
         cp_async_commit()
+        block_size = k_cache.shape[1]  # (of a paged cache)
         for stage in range(stages - 1):
             if stage < own_tiles:
+                n0 = n_begin + (warp + stage * WARPS) * WARP_KEYS
+                page, slot0 = tile_page(block_table, b, n0, block_size)
                 load_tile(k_tiles, v_tiles, warp_row + stage * WARP_KEYS, k_cache, v_cache,
-                          block_table, b, h_kv, n_begin + (warp + stage * WARPS) * WARP_KEYS,
-                          n_end)
+                          page, slot0, h_kv, n0, n_end)
             else:
                 cp_async_commit()  # (an empty group: the waits count groups)
+        # The page of the first tile the loop loads, read before it is needed: each tile's
+        # copies wait for their page's load from the block table, so the loop reads the next
+        # tile's page one tile ahead, behind a tile's arithmetic.
+        first = n_begin + (warp + (stages - 1) * WARPS) * WARP_KEYS
+        next_page, next_slot0 = tile_page(block_table, b,
+                                          first if stages - 1 < own_tiles else 0, block_size)
         cp_async_wait(IN_FLIGHT)  # Q's group has landed
         cuda.syncthreads()  # why: every thread's part of the Q rows is visible
 
@@ -227,8 +240,12 @@ def decode_kernel(spec, paged, stages):
             ahead = i + stages - 1
             if ahead < own_tiles:
                 load_tile(k_tiles, v_tiles, warp_row + ahead % stages * WARP_KEYS, k_cache,
-                          v_cache, block_table, b, h_kv,
+                          v_cache, next_page, next_slot0, h_kv,
                           n_begin + (warp + ahead * WARPS) * WARP_KEYS, n_end)
+                if ahead + 1 < own_tiles:
+                    next_page, next_slot0 = tile_page(
+                        block_table, b, n_begin + (warp + (ahead + 1) * WARPS) * WARP_KEYS,
+                        block_size)
             else:
                 cp_async_commit()
             cp_async_wait(IN_FLIGHT)  # tile i's group has landed
