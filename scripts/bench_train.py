@@ -50,7 +50,7 @@ def training_step(torch, model, ids, compile_mode=None):
     def step():
         if compile_mode == "reduce-overhead":  # (a new step: CUDA graphs may reuse its memory)
             torch.compiler.cudagraph_mark_step_begin()
-        run(ids, labels=ids).loss.backward()
+        run(ids, labels=ids, use_cache=False).loss.backward()  # (training: no KV cache)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step

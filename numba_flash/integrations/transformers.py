@@ -73,7 +73,8 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         position_ids = kwargs.get("position_ids")
         if position_ids is None or query.shape[0] != 1 or position_ids.shape[-1] == 1:
             return _dense(module, query, key, value, **kwargs), None
-        if not torch.compiler.is_compiling() and not _packed(position_ids):
+        packed = (_packed_outside_graph if torch.compiler.is_compiling() else _packed)
+        if not packed(position_ids):
             return _dense(module, query, key, value, **kwargs), None
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -120,6 +121,12 @@ def _packed(position_ids):
     packed = bool(modeling_flash_attention_utils._is_packed_sequence(position_ids, 1))
     _packed_answer = weakref.ref(position_ids), version, packed
     return packed
+
+
+#: _packed for a compiled model: the read of position_ids breaks the graph here, in this
+#: function's call, rather than in transformers' wrapper, whose frame torch.compile would
+#: specialise on each layer's layer_idx (recompiled per layer, then run eagerly past 8)
+_packed_outside_graph = torch.compiler.disable(_packed)
 
 
 def _answering_for_us(original):

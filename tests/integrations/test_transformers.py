@@ -203,6 +203,37 @@ def test_a_model_compiled_with_fullgraph(registered, name):
     assert all(torch.allclose(got[1][n], want[1][n], rtol=1e-12, atol=1e-12) for n in want[1])
 
 
+def test_a_single_sequence_compiled(registered):
+    """Batch 1 under torch.compile: the packed-sequence read (data-dependent) breaks the graph
+    in our attention function, not in transformers' wrapper (whose frame torch.compile
+    recompiles per layer_idx, running eagerly past the recompile limit); logits and gradients
+    are eager's, and packed position_ids still take the varlen path (float64, numpy)."""
+    from torch._dynamo.utils import counters
+    registered("numpy")
+    eager, compiled = _models("llama-gqa", ["numba_flash"] * 2, torch.float64)
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(5))
+    packed = torch.cat([torch.arange(5), torch.arange(SEQLEN - 5)])[None]
+    run = torch.compile(compiled, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for position_ids in (None, packed):
+        results = []
+        for model, call in ((eager, eager), (compiled, run)):
+            model.zero_grad()
+            out = call(ids, labels=ids, position_ids=position_ids, use_cache=False)
+            out.loss.backward()
+            results.append((out.logits.detach(), {n: p.grad for n, p in
+                                                  model.named_parameters()}))
+        (want, want_grads), (got, got_grads) = results
+        assert torch.equal(got, want)
+        assert all(torch.allclose(got_grads[n], want_grads[n], rtol=1e-12, atol=1e-12)
+                   for n in want_grads)
+        if position_ids is None:
+            breaks = list(counters["graph_break"])
+            assert breaks and all("torch.compiler.disable" in reason and "_packed" in reason
+                                  for reason in breaks), breaks
+
+
 def test_a_single_sequence_under_inference_mode(registered):
     """Inference tensors have no version counter: the packed-sequence answer is not cached
     for them, and the model runs (the same logits as outside inference mode)."""
