@@ -1,22 +1,30 @@
 """Training throughput of a small Llama-style model (transformers) with each attention.
 
-One process, one model at a time with the same random weights (no download): tokens per
-second of forward + backward + AdamW step in bfloat16, for attn_implementation
-"numba_flash" (numba_flash.integrations.transformers), "sdpa" restricted to one SDPA
-backend (flash, cudnn) and "eager"; CUDA events around --steps steps after --warmup, and the
-peak memory torch allocated. Needs a CUDA GPU, torch and transformers.
+One process, the same random weights (no download) under each attn_implementation:
+"numba_flash" (numba_flash.integrations.transformers), "sdpa" restricted to one SDPA backend
+(flash, cudnn) and "eager". Tokens per second of forward + backward + AdamW step in
+bfloat16 (CUDA events around --steps steps after --warmup), and the peak memory torch
+allocated during the steps beyond what was allocated before them (the weights and the
+optimizer's state). Every model is built first; each of --rounds rounds then times each
+model's steps in turn, and each model's speed is divided by sdpa-flash's (else sdpa-cudnn's)
+of the same round: at batch 1 the step is bound by the host, whose speed drifts, so the
+ratio of a round, not a lone figure, compares attentions. Needs a CUDA GPU, torch and
+transformers.
 
     python scripts/bench_train.py [--layers 12] [--d-model 1024] [--heads 16] [--kv-heads 4]
-                                  [--seqlen 4096] [--batch 1] [--json results.json]
+                                  [--seqlen 4096] [--batch 1] [--rounds 5] [--json results.json]
                                   [--compile {default,reduce-overhead}]
 """
 import argparse
 import contextlib
+import statistics
 import sys
 
 import harness
 
 IMPLEMENTATIONS = ("numba_flash", "sdpa-flash", "sdpa-cudnn", "eager")
+#: the peer each implementation's speed is divided by, round by round (the first one run)
+CONTROLS = ("sdpa-flash", "sdpa-cudnn")
 
 
 def build(transformers, torch, args, implementation):
@@ -68,17 +76,24 @@ def event_ms(torch, step, steps):
     return start.elapsed_time(end) / steps
 
 
-def tokens_per_second(torch, model, args):
-    """(tokens / s, ms per step, peak GiB) of training steps on random tokens."""
+def prepared_step(torch, model, args):
+    """The training step of model on random tokens (bench_train.training_step), warmed up
+    (compiled, where args.compile says so)."""
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
     step = training_step(torch, model, ids, args.compile)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def timed_steps(torch, step, args):
+    """(ms per step, peak GiB allocated during the steps above what was allocated before)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     ms = event_ms(torch, step, args.steps)
-    return (args.batch * args.seqlen / (ms / 1e3), ms,
-            torch.cuda.max_memory_allocated() / 2**30)
+    return ms, (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
 def model_options(parser, steps):
@@ -117,6 +132,8 @@ def main(argv=None):
                         help="time torch.compile(model, mode=...) instead of eager (the warm-up "
                              "steps compile; reduce-overhead replays CUDA graphs, so the host's "
                              "Python is out of the step)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every implementation's steps this many times, in turns")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     libraries = set_up("bench_train.py", args)
@@ -125,20 +142,44 @@ def main(argv=None):
     torch, transformers = libraries
     if args.compile:
         print(f"each model through torch.compile(mode={args.compile!r})")
-    results = {}
+    steps, results = {}, {}
     for implementation in args.implementations:
         model = build(transformers, torch, args, implementation)
         try:
             with sdpa_backend(torch, implementation):
-                rate, ms, peak = tokens_per_second(torch, model, args)
-            results[implementation] = {"tokens_per_s": rate, "ms_per_step": ms, "peak_gib": peak}
-            print(f"{implementation:12s} {rate:10.0f} tokens/s  {ms:8.1f} ms/step  "
-                  f"{peak:6.1f} GiB", flush=True)
+                steps[implementation] = prepared_step(torch, model, args)
         except Exception as exc:  # a peer that cannot run this configuration
             results[implementation] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             print(f"{implementation:12s} skipped ({results[implementation]['error']})")
-        del model
-        torch.cuda.empty_cache()
+            del model
+            torch.cuda.empty_cache()
+    # Every model stays built: each round times each one's steps in turn, so that a drift of
+    # the host's speed (the step is bound by the host at batch 1) falls on all of them alike.
+    rounds = {implementation: [] for implementation in steps}
+    for number in range(args.rounds):
+        for implementation, step in steps.items():
+            with sdpa_backend(torch, implementation):
+                ms, peak = timed_steps(torch, step, args)
+            rounds[implementation].append((ms, peak))
+            print(f"round {number + 1} {implementation:12s} "
+                  f"{args.batch * args.seqlen / (ms / 1e3):10.0f} tokens/s  {ms:8.1f} ms/step  "
+                  f"{peak:6.1f} GiB in the step", flush=True)
+    control = next((name for name in CONTROLS if name in rounds), None)
+    against = f"; against {control} in each round" if control else ""
+    print(f"\nmedian of {args.rounds} rounds{against}")
+    for implementation, timings in rounds.items():
+        ms = statistics.median(t for t, _ in timings)
+        results[implementation] = {
+            "tokens_per_s": args.batch * args.seqlen / (ms / 1e3), "ms_per_step": ms,
+            "ms_per_round": [t for t, _ in timings],
+            "peak_gib_in_step": max(p for _, p in timings)}
+        line = (f"{implementation:12s} {results[implementation]['tokens_per_s']:10.0f} "
+                f"tokens/s  {ms:8.1f} ms/step")
+        if control:
+            ratio = statistics.median(c / t for (t, _), (c, _) in zip(timings, rounds[control]))
+            results[implementation]["speed_vs_" + control] = ratio
+            line += f"  {ratio:5.2f}x {control}"
+        print(line)
     harness.write_json(args.json, {"args": vars(args), "results": results})
     return 0
 
