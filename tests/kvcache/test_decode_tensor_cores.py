@@ -18,14 +18,28 @@ def test_one_token_of_a_gqa_group_with_each_split(rng):
     _check("float16", arrays, {}, backend="numba-mma", splits=(0, 1, 2))
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_each_warp_reuses_its_stages(rng, monkeypatch, stages):
+def test_each_warp_reuses_its_stages(rng, monkeypatch, stages, paged):
     """304 keys in one split: 19 tiles of 16 keys over 4 warps, 5 for warp 0 through its
     stages and around again, at each pipeline depth a GPU may get (4 at d64 on sm_90, 3 at
-    d128, 2 where shared memory is short)."""
+    d128, 2 where shared memory is short); paged by 16 keys, each tile in a page of its own,
+    whose number a warp reads one tile ahead."""
     from numba_flash.backends.numba.decode import engine
     monkeypatch.setattr(engine, "_tensor_core_stages", lambda spec, q: stages)
-    arrays = _make(rng, "float16", 1, 1, 1, 1, 304, 0, paged=False, full_first=True)
+    arrays = _make(rng, "float16", 1, 1, 1, 1, 304, 0, paged=paged, full_first=True)
+    _check("float16", arrays, dict(causal=True), backend="numba-mma", splits=(1,))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_cache_of_one_page(rng, monkeypatch, stages):
+    """One tile for warp 0, none for warps 1-3, a block table of one column: no warp reads
+    the table for a tile it does not have (the simulator's arrays raise on an index past
+    their end)."""
+    from numba_flash.backends.numba.decode import engine
+    monkeypatch.setattr(engine, "_tensor_core_stages", lambda spec, q: stages)
+    arrays = _make(rng, "float16", 2, 1, 2, 1, 16, 1, paged=True, full_first=True)
+    assert arrays[-1].shape == (2, 1)
     _check("float16", arrays, dict(causal=True), backend="numba-mma", splits=(1,))
 
 

@@ -117,14 +117,18 @@ def decode_kernel(spec, paged, stages):
     merge_rows = make_partials_merge(D, GROUP, ROWS, WARPS, WARPS)
 
     @cuda.jit(device=True, inline="always")
-    def tile_page(block_table, b, n0, block_size):
+    def tile_page(block_table, b, n0, block_size, owned):
         """Where keys n0 .. n0 + 15 of sequence b lie: (the cache's first index, the slot of
-        key n0). A tile lies in one page of a paged cache; the page and slot come from 32-bit
-        unsigned arithmetic (a 64-bit division is a long instruction sequence)."""
+        key n0); the block table is read only for a tile the warp `owned` (page 0 else). A
+        tile lies in one page of a paged cache; the page and slot come from 32-bit unsigned
+        arithmetic (a 64-bit division is a long instruction sequence)."""
         if not paged:
             return b, n0
         page_of = uint32(n0) // uint32(block_size)
-        return block_table[b, page_of], uint32(n0) - page_of * uint32(block_size)
+        page = int32(0)
+        if owned:
+            page = block_table[b, page_of]
+        return page, uint32(n0) - page_of * uint32(block_size)
 
     @cuda.jit(device=True, inline="always")
     def load_tile(k_tiles, v_tiles, tile_row, k_cache, v_cache, page, slot0, h_kv, n0, n_end):
@@ -195,7 +199,7 @@ def decode_kernel(spec, paged, stages):
         for stage in range(stages - 1):
             if stage < own_tiles:
                 n0 = n_begin + (warp + stage * WARPS) * WARP_KEYS
-                page, slot0 = tile_page(block_table, b, n0, block_size)
+                page, slot0 = tile_page(block_table, b, n0, block_size, True)
                 load_tile(k_tiles, v_tiles, warp_row + stage * WARP_KEYS, k_cache, v_cache,
                           page, slot0, h_kv, n0, n_end)
             else:
@@ -203,9 +207,9 @@ def decode_kernel(spec, paged, stages):
         # The page of the first tile the loop loads, read before it is needed: each tile's
         # copies wait for their page's load from the block table, so the loop reads the next
         # tile's page one tile ahead, behind a tile's arithmetic.
-        first = n_begin + (warp + (stages - 1) * WARPS) * WARP_KEYS
-        next_page, next_slot0 = tile_page(block_table, b,
-                                          first if stages - 1 < own_tiles else 0, block_size)
+        next_page, next_slot0 = tile_page(
+            block_table, b, n_begin + (warp + (stages - 1) * WARPS) * WARP_KEYS, block_size,
+            stages - 1 < own_tiles)
         cp_async_wait(IN_FLIGHT)  # Q's group has landed
         cuda.syncthreads()  # why: every thread's part of the Q rows is visible
 
@@ -245,7 +249,7 @@ def decode_kernel(spec, paged, stages):
                 if ahead + 1 < own_tiles:
                     next_page, next_slot0 = tile_page(
                         block_table, b, n_begin + (warp + (ahead + 1) * WARPS) * WARP_KEYS,
-                        block_size)
+                        block_size, True)
             else:
                 cp_async_commit()
             cp_async_wait(IN_FLIGHT)  # tile i's group has landed
