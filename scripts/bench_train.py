@@ -2,14 +2,14 @@
 
 One process, the same random weights (no download) under each attn_implementation:
 "numba_flash" (numba_flash.integrations.transformers), "sdpa" restricted to one SDPA backend
-(flash, cudnn) and "eager". Tokens per second of forward + backward + AdamW step in
-bfloat16 (CUDA events around --steps steps after --warmup), and the peak memory torch
-allocated during the steps beyond what was allocated before them (the weights and the
-optimizer's state). Every model is built first; each of --rounds rounds then times each
-model's steps in turn, and each model's speed is divided by sdpa-flash's (else sdpa-cudnn's)
-of the same round: at batch 1 the step is bound by the host, whose speed drifts, so the
-ratio of a round, not a lone figure, compares attentions. Needs a CUDA GPU, torch and
-transformers.
+(flash, cudnn) and "eager". Tokens per second of forward + backward + AdamW step in bfloat16
+(CUDA events around --steps steps after --warmup), and the peak memory torch allocated in
+the warm-up steps beyond the weights (the optimizer's state, gradients, activations, and a
+compiled model's CUDA-graph pool). Every model is built first; each of --rounds rounds then
+times each model's steps in turn, and each model's speed is divided by sdpa-flash's (else
+sdpa-cudnn's) of the same round: at batch 1 the step is bound by the host, whose speed
+drifts, so the ratio of a round, not a lone figure, compares attentions. Needs a CUDA GPU,
+torch and transformers.
 
     python scripts/bench_train.py [--layers 12] [--d-model 1024] [--heads 16] [--kv-heads 4]
                                   [--seqlen 4096] [--batch 1] [--rounds 5] [--json results.json]
@@ -77,23 +77,27 @@ def event_ms(torch, step, steps):
 
 
 def prepared_step(torch, model, args):
-    """The training step of model on random tokens (bench_train.training_step), warmed up
-    (compiled, where args.compile says so)."""
+    """(the training step of model on random tokens (training_step), warmed up: compiled where
+    args.compile says so; the peak GiB the warm-up steps allocated beyond what was allocated
+    before them: the optimizer's state, gradients, activations and, with CUDA graphs, their
+    memory pool, not the weights)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
     step = training_step(torch, model, ids, args.compile)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    return step
+    return step, (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def timed_steps(torch, step, args):
-    """(ms per step, peak GiB allocated during the steps above what was allocated before)."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ms = event_ms(torch, step, args.steps)
-    return ms, (torch.cuda.max_memory_allocated() - before) / 2**30
+def positive(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more; got {value}")
+    return value
 
 
 def model_options(parser, steps):
@@ -132,7 +136,7 @@ def main(argv=None):
                         help="time torch.compile(model, mode=...) instead of eager (the warm-up "
                              "steps compile; reduce-overhead replays CUDA graphs, so the host's "
                              "Python is out of the step)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive, default=1,
                         help="time every implementation's steps this many times, in turns")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -157,26 +161,34 @@ def main(argv=None):
     # the host's speed (the step is bound by the host at batch 1) falls on all of them alike.
     rounds = {implementation: [] for implementation in steps}
     for number in range(args.rounds):
-        for implementation, step in steps.items():
-            with sdpa_backend(torch, implementation):
-                ms, peak = timed_steps(torch, step, args)
-            rounds[implementation].append((ms, peak))
+        for implementation, (step, peak) in list(steps.items()):
+            try:
+                with sdpa_backend(torch, implementation):
+                    ms = event_ms(torch, step, args.steps)
+            except Exception as exc:  # (out of memory with every model built, say)
+                error = f"round {number + 1}: {type(exc).__name__}: {str(exc)[:200]}"
+                print(f"{implementation:12s} dropped ({error})")
+                results[implementation] = {"error": error}
+                del steps[implementation], rounds[implementation]
+                torch.cuda.empty_cache()
+                continue
+            rounds[implementation].append(ms)
             print(f"round {number + 1} {implementation:12s} "
-                  f"{args.batch * args.seqlen / (ms / 1e3):10.0f} tokens/s  {ms:8.1f} ms/step  "
-                  f"{peak:6.1f} GiB in the step", flush=True)
+                  f"{args.batch * args.seqlen / (ms / 1e3):10.0f} tokens/s  {ms:8.1f} ms/step",
+                  flush=True)
     control = next((name for name in CONTROLS if name in rounds), None)
     against = f"; against {control} in each round" if control else ""
     print(f"\nmedian of {args.rounds} rounds{against}")
     for implementation, timings in rounds.items():
-        ms = statistics.median(t for t, _ in timings)
+        ms = statistics.median(timings)
+        peak = steps[implementation][1]
         results[implementation] = {
             "tokens_per_s": args.batch * args.seqlen / (ms / 1e3), "ms_per_step": ms,
-            "ms_per_round": [t for t, _ in timings],
-            "peak_gib_in_step": max(p for _, p in timings)}
+            "ms_per_round": timings, "peak_gib_beyond_weights": peak}
         line = (f"{implementation:12s} {results[implementation]['tokens_per_s']:10.0f} "
-                f"tokens/s  {ms:8.1f} ms/step")
+                f"tokens/s  {ms:8.1f} ms/step  {peak:6.1f} GiB beyond the weights")
         if control:
-            ratio = statistics.median(c / t for (t, _), (c, _) in zip(timings, rounds[control]))
+            ratio = statistics.median(c / t for t, c in zip(timings, rounds[control]))
             results[implementation]["speed_vs_" + control] = ratio
             line += f"  {ratio:5.2f}x {control}"
         print(line)

@@ -22,8 +22,10 @@ import numpy as np
 
 import harness
 
+BLOCK = 50  # calls a row makes in a turn (time_rows)
 
-def time_rows(runs, calls, host_only=False, block=50):
+
+def time_rows(runs, calls, host_only=False, block=BLOCK):
     """{row: median microseconds of one call} for runs {row: (fn, sync)}: the rows take turns
     in blocks of `block` calls, so that a drift of the host's speed (large on the GPU
     machines) falls on every row alike. Each call is timed with sync() after it, or, with
@@ -123,7 +125,7 @@ def main(argv=None):
         runs["sdpa forward+backward"] = sdpa_fwdbwd, torch.cuda.synchronize
     how = "host side only" if args.host_only else "stream synchronised after each"
     print(f"shape B{batch} N{n} H{nheads} D{head_dim} float16 (CuPy unless named) causal, "
-          f"{args.calls} calls, {how}")
+          f"{-(-args.calls // BLOCK) * BLOCK} calls a row in turns of {BLOCK}, {how}")
     for name, us in time_rows(runs, args.calls, args.host_only).items():
         print(f"{name:32s} {us:8.1f} us per call", flush=True)
     if args.profile:

@@ -11,7 +11,8 @@ and the script stops if a run would not import the tree's. Each tree first runs 
 tree in fresh processes, the trees alternated. The table gives each row's median over the
 rounds, and its median ratio to torch's SDPA forward timed in turns with it in the same
 process: the host's speed of the GPU machines drifts by up to 2x from one process to the
-next, so the ratio is what compares trees; the log has every round's values.
+next, so the ratio is what compares trees (column "by ctl": new/ctl over old/ctl); the log
+has every round's values.
 """
 import argparse
 import os
@@ -72,7 +73,7 @@ def main(argv=None):
     print(f"\nmedian of {args.rounds} rounds: us per call, and per call of the control "
           f"({CONTROL!r}, the same code in both trees, timed in turns with the rows)")
     print(f"{'row':34s} {'old':>8s} {'new':>8s} {'new/old':>8s} {'old/ctl':>8s} "
-          f"{'new/ctl':>8s} {'new/old':>8s}")
+          f"{'new/ctl':>8s} {'by ctl':>8s}")
     for row in rounds["new"][0]:
         (old, old_ratio), (new, new_ratio) = (median_of(rounds[side], row)
                                               for side in ("old", "new"))

@@ -18,16 +18,17 @@ def test_one_token_of_a_gqa_group_with_each_split(rng):
     _check("float16", arrays, {}, backend="numba-mma", splits=(0, 1, 2))
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("block_size", [0, 16, 32], ids=["contiguous", "paged16", "paged32"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_each_warp_reuses_its_stages(rng, monkeypatch, stages, paged):
-    """304 keys in one split: 19 tiles of 16 keys over 4 warps, 5 for warp 0 through its
+def test_each_warp_reuses_its_stages(rng, monkeypatch, stages, block_size):
+    """320 keys in one split: 20 tiles of 16 keys over 4 warps, 5 for warp 0 through its
     stages and around again, at each pipeline depth a GPU may get (4 at d64 on sm_90, 3 at
-    d128, 2 where shared memory is short); paged by 16 keys, each tile in a page of its own,
-    whose number a warp reads one tile ahead."""
+    d128, 2 where shared memory is short); paged, each tile in a page of its own or two
+    tiles a page (the second from slot 16), the page a warp reads one tile ahead."""
     from numba_flash.backends.numba.decode import engine
     monkeypatch.setattr(engine, "_tensor_core_stages", lambda spec, q: stages)
-    arrays = _make(rng, "float16", 1, 1, 1, 1, 304, 0, paged=paged, full_first=True)
+    arrays = _make(rng, "float16", 1, 1, 1, 1, 320, 0, paged=bool(block_size),
+                   block_size=block_size or 16, full_first=True)
     _check("float16", arrays, dict(causal=True), backend="numba-mma", splits=(1,))
 
 
