@@ -76,16 +76,16 @@ def event_ms(torch, step, steps):
     return start.elapsed_time(end) / steps
 
 
-def prepared_step(torch, model, args):
-    """(the training step of model on random tokens (training_step), warmed up: compiled where
-    args.compile says so; the peak GiB the warm-up steps allocated beyond what was allocated
+def prepared_step(torch, model, args, compile_mode=None):
+    """(the training step of model on random tokens (training_step), warmed up: compiled with
+    compile_mode if given; the peak GiB the warm-up steps allocated beyond what was allocated
     before them: the optimizer's state, gradients, activations and, with CUDA graphs, their
     memory pool, not the weights)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen), device="cuda")
-    step = training_step(torch, model, ids, args.compile)
+    step = training_step(torch, model, ids, compile_mode)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
@@ -151,7 +151,7 @@ def main(argv=None):
         model = build(transformers, torch, args, implementation)
         try:
             with sdpa_backend(torch, implementation):
-                steps[implementation] = prepared_step(torch, model, args)
+                steps[implementation] = prepared_step(torch, model, args, args.compile)
         except Exception as exc:  # a peer that cannot run this configuration
             results[implementation] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             print(f"{implementation:12s} skipped ({results[implementation]['error']})")

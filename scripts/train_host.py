@@ -160,12 +160,8 @@ def main(argv=None):
     torch, transformers = libraries
     for implementation in args.implementations:
         model = bench_train.build(transformers, torch, args, implementation)
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seqlen),
-                            device="cuda")
-        step = bench_train.training_step(torch, model, ids)
         with bench_train.sdpa_backend(torch, implementation):
-            for _ in range(args.warmup):
-                step()
+            step, _ = bench_train.prepared_step(torch, model, args)
             gpu = bench_train.event_ms(torch, step, args.steps)
             host = issue_ms(torch, step, args.steps)
             syncs = torch_syncs(torch, step)
