@@ -76,7 +76,7 @@ OPT_IN_SHARED_BYTES = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 10
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4", "ld.shared.v4.f32", "st.shared",
            "ex2.approx", "bar.sync", "mma.sync", "ldmatrix", "cp.async.cg", "wgmma.mma_async",
-           "setmaxnreg", "mbarrier.try_wait")
+           "setmaxnreg", "mbarrier.try_wait", "cp.async.bulk.tensor")
 
 
 def find_ptxas():
@@ -248,6 +248,10 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                            f"{', float32[:, :, ::1]' * 6}, Tuple(()))", dk_dv_bytes)
 
 
+#: the Hopper forward's tensor-map arguments: the slots and the three templates
+MAPS = "int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)"
+
+
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
     """The Hopper family's forward and backward (dK/dV, dQ) for every head dim they have a
     config for, as _specs gives them, with (dynamic shared bytes, launch bounds)."""
@@ -260,7 +264,7 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                     continue
                 tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
                 yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
-                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32{extras})",
+                       f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32, {MAPS}{extras})",
                        hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
                 if kind == "masked":  # (a boolean mask takes the plain tiles: config.py)
                     bool_spec = AttentionSpec(head_dim=head_dim, dtype=dtype,
@@ -268,7 +272,7 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                     bool_config = hopper_forward_config(head_dim, bool_spec)
                     yield (f"hopper_forward_{tag.replace('masked', 'bool_masked')}",
                            hopper_forward_kernel_function(bool_config, bool_spec),
-                           f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32"
+                           f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32, {MAPS}"
                            f"{extras.replace(mask_type(dtype), 'boolean')})",
                            hopper_forward_shared_bytes(bool_config, head_dim),
                            (bool_config.threads, 1))

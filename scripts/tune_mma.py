@@ -75,6 +75,7 @@ def main(argv=None):
 
     from numba_flash.backends.numba.hopper.config import HopperConfig
     from numba_flash.backends.numba.hopper.fwd import launch_hopper_forward
+    from numba_flash.backends.numba.hopper.tensor_maps import map_slots
     from numba_flash.backends.numba.mma.bwd import launch_mma_backward
     from numba_flash.backends.numba.mma.config import MmaBackwardConfig, MmaConfig
     from numba_flash.backends.numba.mma.fwd import launch_mma_forward
@@ -104,8 +105,10 @@ def main(argv=None):
                 views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
                                     for x in (out.view(cp.uint16), lse)]
 
+                maps = {"maps": map_slots(views[-1])} if hopper else {}  # (made once)
+
                 def run():
-                    launch_forward(spec, *views, 0, config_type(*shape))
+                    launch_forward(spec, *views, 0, config_type(*shape), **maps)
                 try:
                     run()
                 except Exception as exc:

@@ -71,6 +71,8 @@ def poisoned_outputs(monkeypatch):
         array = original(self, ref, shape, dtype)
         if str(dtype).endswith("int16"):  # 16-bit patterns: the float16 NaN 0x7E00
             array[...] = 0x7E00
+        elif str(dtype).startswith(("int", "uint")):  # other integer scratch: all bits set
+            array[...] = np.iinfo(str(dtype)).max if str(dtype).startswith("u") else -1
         else:
             array[...] = float("nan")
         return array

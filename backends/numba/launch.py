@@ -130,18 +130,19 @@ def _array_signature(dtype, shape, strides):
 
 
 #: the scalar types kernels take, with their Numba and ctypes types
-_SCALARS = {np.float32: ("float32", ctypes.c_float), np.int32: ("int32", ctypes.c_int32)}
+_SCALARS = {np.float32: ("float32", ctypes.c_float), np.int32: ("int32", ctypes.c_int32),
+            np.uint64: ("uint64", ctypes.c_uint64)}
 
 
 def _launch_arg(arg):
-    """A float32 or int32 scalar as it is, a tuple as a tuple of its items', any other
+    """A float32, int32 or uint64 scalar as it is, a tuple as a tuple of its items', any other
     argument as its DeviceView."""
     if type(arg) in _SCALARS:
         return arg
     if isinstance(arg, tuple):
         return tuple(map(_launch_arg, arg))
     if isinstance(arg, (np.generic, int, float)):
-        raise TypeError(f"kernel arguments are arrays or numpy.float32 / numpy.int32 scalars; "
+        raise TypeError(f"kernel arguments are arrays or numpy float32 / int32 / uint64 scalars; "
                         f"got {type(arg).__name__}")
     return device_view(arg)
 
@@ -248,6 +249,8 @@ class PreparedLaunch:
                 ctypes.c_float.from_buffer(self._values, 8 * slot).value = value.value
             elif isinstance(value, ctypes.c_int32):
                 self._values[slot] = value.value
+            elif isinstance(value, ctypes.c_uint64):
+                ctypes.c_uint64.from_buffer(self._values, 8 * slot).value = value.value
             else:
                 self._values[slot] = value
         base = ctypes.addressof(self._values)
@@ -341,8 +344,8 @@ def launch(kernel, grid, block, stream, shared_bytes, *args):
     `stream` is a stream handle as `__cuda_array_interface__` encodes them (0 or 1: the legacy
     default stream, 2: the per-thread one, else a cudaStream_t) or a Numba stream (under the
     simulator: anything Numba takes); `args` are device arrays (anything `device_view` takes)
-    and float32 / int32 scalars, or tuples of them. NumPy arrays are copied to the GPU and back
-    around the launch, as Numba does (the kernel tests use that; it synchronises). Inside
+    and float32 / int32 / uint64 scalars, or tuples of them. NumPy arrays are copied to the GPU
+    and back around the launch, as Numba does (the kernel tests use that; it synchronises). Inside
     `replay.recording()` the launch is noted for a replay."""
     from numba import config
     if config.ENABLE_CUDASIM:

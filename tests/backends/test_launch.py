@@ -56,15 +56,20 @@ def test_array_parameters(rng):
 
 
 def test_scalars_pack_into_the_low_half_of_their_slot_and_key_the_launch():
-    """A 4-byte scalar's parameter is the first 4 bytes of its 8-byte slot (cuLaunchKernel
-    reads 4 there), and launches that differ only in a scalar's value are different
-    prepared launches (the decode kernels take their token counts as int32)."""
+    """An 8-byte scalar fills its slot; a 4-byte scalar's parameter is the first 4 bytes of
+    its 8-byte slot (cuLaunchKernel reads 4 there), and launches that differ only in a
+    scalar's value are different prepared launches (the decode kernels take their token
+    counts as int32)."""
     import ctypes
     launch = numba_launch.PreparedLaunch(None, (1,), (1,), 0,
-                                         (ctypes.c_float(0.5), ctypes.c_int32(-7), 9), ())
+                                         (ctypes.c_float(0.5), ctypes.c_int32(-7), 9,
+                                          ctypes.c_uint64(2**64 - 3)), ())
     raw = bytes(launch._values)
     assert np.frombuffer(raw[0:4], np.float32)[0] == 0.5
     assert np.frombuffer(raw[8:12], np.int32)[0] == -7 and raw[16] == 9
+    assert np.frombuffer(raw[24:32], np.uint64)[0] == 2**64 - 3  # (a tensor map's words)
+    argtype, values, _ = numba_launch._argument(np.uint64(2**63))
+    assert str(argtype) == "uint64" and values[0].value == 2**63
     assert numba_launch._signature(np.int32(3)) != numba_launch._signature(np.int32(4))
     assert numba_launch._signature(np.int32(3)) != numba_launch._signature(np.float32(3))
 
@@ -85,8 +90,8 @@ def test_tuple_parameters_are_their_items_in_order():
 
 
 @pytest.mark.parametrize("scalar", [0.25, np.float64(0.25), np.int64(3), np.uint32(3), 7])
-def test_scalars_other_than_float32_and_int32_are_refused(scalar):
-    with pytest.raises(TypeError, match="arrays or numpy.float32 / numpy.int32 scalars; got "
+def test_scalars_other_than_float32_int32_and_uint64_are_refused(scalar):
+    with pytest.raises(TypeError, match="arrays or numpy float32 / int32 / uint64 scalars; got "
                                         f"{type(scalar).__name__}"):
         numba_launch._argument(scalar)
 

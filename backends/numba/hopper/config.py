@@ -1,22 +1,35 @@
 """Tile configurations of the Hopper kernels: one frozen dataclass, a table by head dim, and the
 shared memory a config takes (hopper/layout.py lays it out)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config_table import lookup
 
 WARPGROUP = 128
 #: registers per thread each role keeps (setmaxnreg) in a block of 2 consumer warpgroups:
-#: the producer gives back what the consumers take, within the 64K registers of one block
-#: per multiprocessor (launch_bounds=(threads, 1) caps every thread at 65536 / threads first).
+#: the producer gives back what the consumers take, within what the block holds at launch
+#: (launch_registers: launch_bounds=(threads, 1) caps every thread at 65536 / threads).
 #: The producer's cp.async loop spills below 72 (d128 with every variant: 56 spilled 8
 #: bytes); the d256 consumers below about 200.
 REGISTERS = {2: (72, 216)}
+#: with the copy engine one producer thread issues copies: it keeps 40 (at 24 a mask_mod's
+#: tile classes spilled 80 bytes) and the consumers take the rest of the block's 64512
+COPY_ENGINE_REGISTERS = {2: (40, 232)}
 #: the backward's: its producer streams two 16-bit tiles per step with the other two held,
 #: and spilled below 96 at d128, below 104 with every variant (its consumers fit in 200 with
 #: 32-query tiles for dK/dV)
 BACKWARD_REGISTERS = {2: (104, 200)}
 #: shared memory a Hopper block may take (sm_90's opt-in limit)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
+#: the multiprocessor's registers; a block launched with launch_bounds=(threads, 1) holds
+#: launch_registers(threads) of them, and setmaxnreg only moves registers within that: an inc
+#: beyond what the decs gave back waits for ever
+REGISTER_FILE = 65536
+
+
+def launch_registers(threads):
+    """Registers a block of `threads` holds at launch: each thread's cap (65536 / threads,
+    down to a multiple of 8) times its threads."""
+    return REGISTER_FILE // threads // 8 * 8 * threads
 
 
 class _Roles:
@@ -34,8 +47,14 @@ class _Roles:
 
     @property
     def registers(self):
-        """(producer, consumer) registers per thread after setmaxnreg."""
-        return self.register_table[self.consumers]
+        """(producer, consumer) registers per thread after setmaxnreg, within the block's
+        registers at launch (else the consumers' setmaxnreg.inc would never return)."""
+        producer, consumer = self.register_table[self.consumers]
+        if WARPGROUP * (producer + self.consumers * consumer) > launch_registers(self.threads):
+            raise ValueError(f"{producer} producer and {consumer} consumer registers a thread "
+                             f"exceed the {launch_registers(self.threads)} a block of "
+                             f"{self.threads} threads holds")
+        return producer, consumer
 
 
 @dataclass(frozen=True)
@@ -43,13 +62,18 @@ class HopperConfig(_Roles):
     """Tile shape of the Hopper forward: consumers of 64 query rows each (block_m = 64 ·
     consumers), key tiles of block_n keys in a pipeline of `stages` K and V buffers; `turns`:
     the two consumers take turns at the tensor cores (hopper/turns.py), each holding one
-    tile's P while the next tile's S accumulates."""
+    tile's P while the next tile's S accumulates; `copy_engine`: the producer brings tiles
+    with the copy engine (tensor maps), else with cp.async."""
 
     block_n: int
     consumers: int = 2
     stages: int = 2
     turns: bool = True
-    register_table = REGISTERS
+    copy_engine: bool = True
+
+    @property
+    def register_table(self):
+        return COPY_ENGINE_REGISTERS if self.copy_engine else REGISTERS
 
     @property
     def block_m(self):
@@ -152,4 +176,12 @@ def hopper_forward_config(head_dim, spec):
     table = _HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
     if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
         table = _HOPPER_FORWARD_BOOL_MASKED
-    return None if head_dim % 16 else lookup(table, head_dim)
+    config = None if head_dim % 16 else lookup(table, head_dim)
+    return config and copies_for(spec, config)
+
+
+def copies_for(spec, config):
+    """config, with cp.async instead of the copy engine for varlen: a box stops only at the
+    tensor's end, so a sequence's last tile would take the next one's rows (finite or not)
+    where cp.async zero-fills."""
+    return replace(config, copy_engine=False) if spec.varlen and config.copy_engine else config

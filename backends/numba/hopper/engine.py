@@ -18,6 +18,7 @@ from ..tile_classes import call_tiles
 from .bwd import launch_hopper_backward
 from .config import hopper_backward_config, hopper_forward_config
 from .fwd import launch_hopper_forward
+from .tensor_maps import MAP_SLOTS
 
 DTYPES = ("float16", "bfloat16")
 HOPPER_CC = (9, 0)
@@ -67,7 +68,8 @@ class HopperEngine(Engine):
         kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
         launch_hopper_forward(spec, *inputs, out_view, lse_view, stream, extras=kernel_extras,
                               tiles=call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc,
-                                               stream))
+                                               stream),
+                              maps=marshal.view(alloc(MAP_SLOTS, "int64")))
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 

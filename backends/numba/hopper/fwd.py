@@ -5,12 +5,16 @@ Run by the Hopper engine (engine.py) for float16/bfloat16 on compute capability 
 
 One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or sequence) of
 1 + CONSUMERS warpgroups (FlashAttention-3's warp specialisation):
-  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and copies tiles into
-    shared memory with cp.async (layout.py: the 128-byte swizzle wgmma reads): the Q tile
-    once, then for each key tile its K and V tiles into stage j % STAGES, each after the
-    consumers freed that stage (the stage's `empty` mbarrier), each announced on its `full`
-    mbarrier once landed (every producer thread waits for its own copies, fences them for
-    the async proxy and arrives).
+  - warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and brings tiles into
+    shared memory in the 128-byte swizzle wgmma reads (layout.py): the Q tile once, then for
+    each key tile its K and V tiles into stage j % STAGES, each after the consumers freed that
+    stage (the stage's `empty` mbarrier), each announced on its `full` mbarrier once landed.
+    With the copy engine (config.copy_engine) one thread issues each tile's copies
+    (device/intrinsics/tensor_copy.py: tensor maps its warp makes first), which complete on
+    the `full` mbarrier as transactions of bytes it announced; otherwise the warpgroup's 128
+    threads copy 16 bytes at a time with cp.async, each waiting for its own copies, fencing
+    them for the async proxy and arriving (varlen, whose sequences end inside the tensor
+    the copy engine would read past, takes these).
   - warpgroups 1.. are consumers of 64 query rows each; they take the registers
     (setmaxnreg.inc). Per key tile: S = Q Kᵀ by D/16 wgmma products from the shared tiles (Q
     and K K-major), the K stage freed; the score mod, mask and online softmax on S in
@@ -28,6 +32,7 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
 float32.
 """
+import dataclasses
 import functools
 
 import numpy as np
@@ -36,20 +41,25 @@ from numba import cuda, float32, uint16, uint32, uint64
 from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
-from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor, make_fence_operands,
-                                 mbarrier_arrive, mbarrier_wait, setmaxnreg_dec, setmaxnreg_inc,
-                                 shared_base, shfl_xor, wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.intrinsics import (MAP_WORDS, SIMULATED, cp_async_commit, global_address,
+                                 make_descriptor, make_fence_operands, map_slot, mbarrier_arrive,
+                                 mbarrier_expect_tx, mbarrier_wait, setmaxnreg_dec,
+                                 setmaxnreg_inc, shared_base, shfl_xor, syncwarp, tensor_copy_4d,
+                                 tensor_map_acquire, tensor_map_address, tensor_map_publish,
+                                 tensor_map_store, wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
-from .config import WARPGROUP, hopper_forward_config, hopper_forward_shared_bytes, tile_bytes
+from .config import (WARPGROUP, column_blocks, copies_for, hopper_forward_config,
+                     hopper_forward_shared_bytes, tile_bytes)
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
+from .tensor_maps import NO_TEMPLATES, map_slots, map_templates
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -70,11 +80,14 @@ def hopper_forward_kernel_function(config, spec):
     K_FULL, V_FULL = full_barrier(0, 0, STAGES), full_barrier(1, 0, STAGES)
     K_EMPTY, V_EMPTY = empty_barrier(0, 0, STAGES, 2), empty_barrier(1, 0, STAGES, 2)
     BARRIERS = barrier_words(2, STAGES)
-    init_barriers = make_barrier_init(2, STAGES, CONSUMERS)
+    COPY_ENGINE = config.copy_engine
+    init_barriers = make_barrier_init(2, STAGES, CONSUMERS, 1 if COPY_ENGINE else WARPGROUP)
     S_SHAPE, ACC_SHAPE, P_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
 
     load_q = make_tile_loader(D, BLOCK_M)
     load_kv = make_tile_loader(D, BLOCK_N)
+    COLUMN_BLOCKS = column_blocks(D)  # (one copy of the copy engine each)
+    MAP_SCRATCH_WORDS = 4 * MAP_WORDS  # three maps, aligned to 128 bytes within
     score_products = make_score_products(BLOCK_N, spec.bf16, D, BLOCK_M, BLOCK_N)
     pv_products = make_register_products(D, spec.bf16, KC, BLOCK_N)
     fence_scores, fence_out = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
@@ -119,6 +132,56 @@ def hopper_forward_kernel_function(config, spec):
             landed = bars + V_FULL + 8 * s
             j += 1
         announce_all(landed)
+
+    @cuda.jit(device=True, inline="always")
+    def publish_maps(scratch, maps, q, k, v, templates):
+        """The warp's part before the copy engine's copies: the maps of q, k and v (their
+        templates with the arrays' addresses) published to slots 0, 1, 2 of `maps`."""
+        if cuda.threadIdx.x % 32 == 0:
+            tensor_map_store(scratch, templates[0])
+            tensor_map_address(scratch, global_address(q, 0, 0, 0, 0))
+            tensor_map_store(scratch + 128, templates[1])
+            tensor_map_address(scratch + 128, global_address(k, 0, 0, 0, 0))
+            tensor_map_store(scratch + 256, templates[2])
+            tensor_map_address(scratch + 256, global_address(v, 0, 0, 0, 0))
+        syncwarp()
+        for i in range(3):
+            tensor_map_publish(map_slot(maps, i), scratch + 128 * i)
+
+    @cuda.jit(device=True, inline="always")
+    def copy_tile(tile, rows, slot, h, row0, b, barrier):
+        """The copy engine's copies of rows [row0, row0 + rows) of head h of entry b into the
+        tile at shared address `tile`, one per 64-column block, completing on `barrier`."""
+        for c in range(COLUMN_BLOCKS):
+            tensor_copy_4d(tile + c * rows * ROW_BYTES, slot, 64 * c, h, row0, b, barrier)
+
+    @cuda.jit(device=True, inline="always")
+    def produce_by_copy_engine(smem_base, bars, maps, b, q_row0, k_start, h, h_kv, n_begin,
+                               n_tiles, tiles, seq, m0):
+        """The producer thread with the copy engine: Q, then each visited key tile's K and V,
+        each announced (arrive.expect_tx) before its copies are issued."""
+        q_slot, k_slot, v_slot = map_slot(maps, 0), map_slot(maps, 1), map_slot(maps, 2)
+        tensor_map_acquire(q_slot)
+        tensor_map_acquire(k_slot)
+        tensor_map_acquire(v_slot)
+        mbarrier_expect_tx(bars, Q_BYTES)
+        copy_tile(smem_base, BLOCK_M, q_slot, h, q_row0, b, bars)
+        j = 0  # the visited tiles so far (the stages count them)
+        for tile in range(n_tiles):
+            n0 = n_begin + tile * BLOCK_N
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
+            s = j % STAGES
+            row0 = k_start + n0
+            mbarrier_wait(bars + K_EMPTY + 8 * s, free_parity(j, STAGES))
+            mbarrier_expect_tx(bars + K_FULL + 8 * s, KV_BYTES)
+            copy_tile(smem_base + K_START + s * KV_BYTES, BLOCK_N, k_slot, h_kv, row0, b,
+                      bars + K_FULL + 8 * s)
+            mbarrier_wait(bars + V_EMPTY + 8 * s, free_parity(j, STAGES))
+            mbarrier_expect_tx(bars + V_FULL + 8 * s, KV_BYTES)
+            copy_tile(smem_base + V_START + s * KV_BYTES, BLOCK_N, v_slot, h_kv, row0, b,
+                      bars + V_FULL + 8 * s)
+            j += 1
 
     @cuda.jit(device=True, inline="always")
     def issue_scores(s, q_desc, smem_base, bars, j):
@@ -171,8 +234,9 @@ def hopper_forward_kernel_function(config, spec):
         for kc in range(KC):
             p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)
 
-    def flash_forward_hopper(q, k, v, out, lse, scale_log2, alibi_slopes, cu_seqlens_q,
-                             cu_seqlens_k, attn_mask, tile_classes, tile_spans, mod_arrays):
+    def flash_forward_hopper(q, k, v, out, lse, scale_log2, maps, templates, alibi_slopes,
+                             cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes, tile_spans,
+                             mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
         m0 = query_tile_index() * BLOCK_M
@@ -189,6 +253,7 @@ def hopper_forward_kernel_function(config, spec):
 
         smem = cuda.shared.array(0, uint16)  # dynamic: Q, K and V tiles
         barrier_words = cuda.shared.array(BARRIERS, uint64)
+        map_words = cuda.shared.array(MAP_SCRATCH_WORDS, uint64)
         smem_base = shared_base(smem, ATOM_BYTES)  # tiles start on the swizzle's atoms
         bars = shared_base(barrier_words, 8)
         if tid == 0:
@@ -197,8 +262,14 @@ def hopper_forward_kernel_function(config, spec):
 
         if warpgroup == 0:
             setmaxnreg_dec(PRODUCER_REGISTERS)
-            produce(smem_base, bars, q, k, v, b, q_start + m0, q_start + seqlen_q, k_start,
-                    k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
+            if not COPY_ENGINE:
+                produce(smem_base, bars, q, k, v, b, q_start + m0, q_start + seqlen_q, k_start,
+                        k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
+            elif tid < 32:
+                publish_maps(shared_base(map_words, 128), maps, q, k, v, templates)
+                if tid == 0:
+                    produce_by_copy_engine(smem_base, bars, maps, b, q_start + m0, k_start, h,
+                                           h_kv, n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1
@@ -300,21 +371,30 @@ def hopper_forward_kernel(config, spec):
 
 
 def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None,
-                          tiles=None):
+                          tiles=None, maps=None):
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
     cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
-    tile tables (tile_classes.py). `config` overrides hopper_forward_config (tests,
-    tuning)."""
+    tile tables (tile_classes.py); `maps`: a scratch int64 (3, 16) array of the call for the
+    copy engine's tensor maps (made here if not given: a NumPy array for host inputs, else
+    a Numba device array). `config` overrides hopper_forward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
     config = config or hopper_forward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper forward config for head_dim {head_dim}")
+    config = copies_for(spec, config)
+    templates = config.copy_engine and map_templates(
+        ((q, config.block_m), (k, config.block_n), (v, config.block_n)))
+    if not templates:  # (cp.async: the config's choice, or strides the copy engine refuses)
+        config = dataclasses.replace(config, copy_engine=False)
+        templates = NO_TEMPLATES
+    if maps is None:
+        maps = map_slots(lse)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
     launch(kernel, grid, config.threads, stream, hopper_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), *extras,
-           *tile_arguments(tiles, lse, config.block_m, config.block_n))
+           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), maps, templates,
+           *extras, *tile_arguments(tiles, lse, config.block_m, config.block_n))

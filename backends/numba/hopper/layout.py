@@ -1,6 +1,8 @@
 """Where the Hopper kernels keep their tiles: 16-bit tiles in the 128-byte swizzle that wgmma
 reads through matrix descriptors (device/intrinsics/wgmma.py), brought from global memory by
-the producer warpgroup's cp.async copies, and the descriptors of each product's operands.
+the copy engine (whose 128-byte swizzle places chunks the same way) or by the producer
+warpgroup's cp.async copies (make_tile_loader), and the descriptors of each product's
+operands.
 
 A tile of `rows` rows and head_dim columns is stored as 64-column blocks (128 bytes of a row
 each), block c at byte c · rows · 128; in a block, row r at byte 128 · r, its 16-byte chunk j

@@ -34,16 +34,17 @@ def empty_barrier(group, stage, stages, groups):
 
 
 @functools.lru_cache(maxsize=None)
-def make_barrier_init(groups, stages, empty_arrivals):
+def make_barrier_init(groups, stages, empty_arrivals, full_arrivals=WARPGROUP):
     """init_barriers(bars) (one thread, before a block barrier): the once-loaded tiles' and
-    every full barrier count the producer's threads; every empty one `empty_arrivals`
+    every full barrier count `full_arrivals` (the producer's threads that copy with cp.async,
+    or the one that issues the copy engine's copies); every empty one `empty_arrivals`
     arrivals (a thread of each consumer warpgroup, or of each consumer warp)."""
     @cuda.jit(device=True, inline="always")
     def init_barriers(bars):
-        mbarrier_init(bars, WARPGROUP)
+        mbarrier_init(bars, full_arrivals)
         for group in range(groups):  # (full_barrier's and empty_barrier's offsets)
             for stage in range(stages):
-                mbarrier_init(bars + 8 * (1 + group * stages + stage), WARPGROUP)
+                mbarrier_init(bars + 8 * (1 + group * stages + stage), full_arrivals)
                 mbarrier_init(bars + 8 * (1 + (groups + group) * stages + stage),
                               empty_arrivals)
         fence_mbarrier_init()

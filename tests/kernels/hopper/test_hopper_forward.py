@@ -1,5 +1,6 @@
 """The Hopper forward kernel (backends/numba/hopper/fwd.py) against the float64 reference:
-under the simulator at small sizes (the twins of wgmma, mbarriers and cp.async; three
+under the simulator at small sizes (the twins of wgmma, mbarriers, the copy engine and
+cp.async; three
 warpgroups of Python threads, so a few cases, with every variant the engine takes), and with
 `-m gpu` on an sm_90 GPU at real sizes (the variants at real sizes: through the API,
 tests/variants/test_gpu_variants.py, whose "numba" takes this kernel there)."""
@@ -8,9 +9,10 @@ import pytest
 from mma_cases import run_forward
 from mask_mods import document_mask, gapped_mask
 
-from numba_flash.backends.numba.hopper.config import HopperConfig
+from numba_flash.backends.numba.hopper.config import HopperConfig, copies_for
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
                                                    launch_hopper_forward)
+from numba_flash.backends.numba.hopper.tensor_maps import map_templates
 from numba_flash.spec import AttentionSpec
 
 # (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, config, options
@@ -24,7 +26,8 @@ SIMULATOR_CASES = [
     ((1, 60, 75, 2, 64), 1, False, "float16", HopperConfig(32, turns=False),
      dict(window_left=20, window_right=5, softcap=2.0, alibi=True)),
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperConfig(32),
-     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences (cp.async)
+    ((2, 70, 50, 2, 64), 1, True, "float16", HopperConfig(32, copy_engine=False), {}),
 ]
 
 # masks: mask_mods, gapped_mask's tile table leaving an empty key tile inside each head's key
@@ -46,7 +49,9 @@ GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4,
 
 @pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", SIMULATOR_CASES,
                          ids=[f"sim-{'x'.join(map(str, c[0]))}-{c[2]}-{c[3]}-{len(c[5])}"
-                              f"{'' if c[4].turns else '-no-turns'}" for c in SIMULATOR_CASES])
+                              f"{'' if c[4].turns else '-no-turns'}"
+                              f"{'' if c[4].copy_engine else '-cp-async'}"
+                              for c in SIMULATOR_CASES])
 def test_hopper_forward_in_the_simulator(rng, shape, kv_heads, causal, dtype, config,
                                          options):
     run_forward(rng, shape, causal, dtype, config, kv_heads,
@@ -88,3 +93,31 @@ def test_head_dims_and_tiles_the_kernels_refuse():
         q = np.zeros((1, 16, 1, 272), np.uint16)
         launch_hopper_forward(AttentionSpec(272, "float16", softmax_scale=0.1), q, q, q, q,
                               np.zeros((1, 1, 16), np.float32))
+
+
+def test_the_copy_engine_takes_what_it_can_read():
+    """The forward's producer takes the copy engine wherever its maps encode (contiguous or
+    strided 16-byte rows), cp.async for varlen and for strides that are not multiples of 16
+    bytes (so the simulator cases above run the copy engine but for those marked cp-async)."""
+    config = HopperConfig(64)
+    q = np.zeros((2, 100, 4, 64), np.uint16)
+    strided = np.zeros((2, 100, 8, 64), np.uint16)[:, :, ::2]
+    odd = np.zeros((2, 100, 4, 68), np.uint16)[..., :64]  # (rows 136 bytes apart)
+    assert map_templates(((q, 128), (strided, 64), (strided, 64))) is not None
+    assert map_templates(((q, 128), (odd, 64), (q, 64))) is None
+    assert not copies_for(AttentionSpec(64, "float16", varlen=True), config).copy_engine
+    assert copies_for(AttentionSpec(64, "float16"), config).copy_engine
+
+
+def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
+    """setmaxnreg moves registers within what a block holds at launch (168 a thread for 384
+    threads): a split that asks more would leave the consumers' inc waiting for ever (a hang
+    the simulator cannot show), so the config refuses it."""
+    from numba_flash.backends.numba.hopper import config as hopper_config
+    for config in (HopperConfig(64), HopperConfig(64, copy_engine=False),
+                   hopper_config.HopperBackwardConfig(64, 64)):
+        producer, consumer = config.registers
+        assert 128 * (producer + 2 * consumer) <= 168 * 384
+    monkeypatch.setitem(hopper_config.COPY_ENGINE_REGISTERS, 2, (32, 240))
+    with pytest.raises(ValueError, match="exceed the 64512 a block of 384 threads holds"):
+        HopperConfig(64).registers

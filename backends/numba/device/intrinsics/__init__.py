@@ -14,11 +14,14 @@ from .cp_async import (advance, cp_async_16, cp_async_16_from, cp_async_commit,
                        cp_async_wait, global_address)
 from .ex2 import exp2
 from .ldmatrix import ldmatrix_x4, ldmatrix_x4_at, ldmatrix_x4_trans, ldmatrix_x4_trans_at
-from .mbarrier import (fence_mbarrier_init, fence_proxy_async, mbarrier_arrive, mbarrier_init,
-                       mbarrier_wait)
+from .mbarrier import (fence_mbarrier_init, fence_proxy_async, mbarrier_arrive,
+                       mbarrier_expect_tx, mbarrier_init, mbarrier_wait)
 from .mma import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2, unpack_bf16x2, unpack_f16x2
 from .rcp import reciprocal
 from .shared import load_f32x4, opaque, shared_address, shared_base, shared_tile
+from .tensor_copy import (MAP_WORDS, map_slot, tensor_copy_4d, tensor_map_acquire,
+                          tensor_map_address, tensor_map_publish, tensor_map_store,
+                          tensor_map_template)
 from .warp import shfl_xor, syncwarp
 from .warpgroup import (named_barrier_arrive, named_barrier_sync, setmaxnreg_dec,
                         setmaxnreg_inc)
@@ -29,13 +32,15 @@ if SIMULATED:  # (every kernel family imports this package before it launches)
     from .sim_block import install as _install_block_scheduler
     _install_block_scheduler()
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "advance", "bits_of_float32", "cp_async_16",
-           "cp_async_16_from", "cp_async_commit", "cp_async_wait", "descriptor_at", "exp2",
-           "fence_mbarrier_init", "fence_proxy_async", "float32_from_bits", "global_address",
-           "ldmatrix_x4", "ldmatrix_x4_at", "ldmatrix_x4_trans", "ldmatrix_x4_trans_at",
-           "load_f32x4", "make_descriptor", "make_fence_operands", "make_wgmma", "mbarrier_arrive",
-           "mbarrier_init", "mbarrier_wait", "mma_bf16", "mma_f16", "named_barrier_arrive",
-           "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2", "reciprocal",
-           "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "shared_base", "shared_tile",
-           "shfl_xor", "syncwarp", "unpack_bf16x2", "unpack_f16x2", "wgmma_commit", "wgmma_fence",
+__all__ = ["advance", "bits_of_float32", "cp_async_16", "cp_async_16_from", "cp_async_commit",
+           "cp_async_wait", "descriptor_at", "exp2", "fence_mbarrier_init", "fence_proxy_async",
+           "float32_from_bits", "global_address", "ldmatrix_x4", "ldmatrix_x4_at",
+           "ldmatrix_x4_trans", "ldmatrix_x4_trans_at", "load_f32x4", "make_descriptor",
+           "make_fence_operands", "make_wgmma", "map_slot", "MAP_WORDS", "mbarrier_arrive",
+           "mbarrier_expect_tx", "mbarrier_init", "mbarrier_wait", "mma_bf16", "mma_f16",
+           "named_barrier_arrive", "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2",
+           "reciprocal", "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "SHARED_ALIGN",
+           "shared_base", "shared_tile", "shfl_xor", "SIMULATED", "syncwarp", "tensor_copy_4d",
+           "tensor_map_acquire", "tensor_map_address", "tensor_map_publish", "tensor_map_store",
+           "tensor_map_template", "unpack_bf16x2", "unpack_f16x2", "wgmma_commit", "wgmma_fence",
            "wgmma_wait"]

@@ -50,6 +50,20 @@ def _mbarrier_arrive(typingctx, address):
     return sig, codegen
 
 
+@intrinsic
+def _mbarrier_expect_tx(typingctx, address, transaction_bytes):
+    """One arrival that also announces `transaction_bytes` the phase waits for besides the
+    arrivals (the bytes of copies that complete on this barrier: tensor_copy.py)."""
+    sig = types.void(address, transaction_bytes)
+
+    def codegen(context, builder, sig, args):
+        asm(builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
+            _cast_u32(context, builder, sig, args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _WAIT = ("{ .reg .pred done; WAIT_${:uid}: "
          "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
          "@!done bra.uni WAIT_${:uid}; }")
@@ -72,11 +86,24 @@ def _mbarrier_wait(typingctx, address, parity):
 # -- twins ------------------------------------------------------------------------------------
 
 class _MBarrierState:
-    __slots__ = ("expected", "pending", "phase")
+    """Arrivals still expected in this phase, transaction bytes still to complete, and the
+    copies that land when the phase completes (tensor_copy.py's twin)."""
+    __slots__ = ("expected", "pending", "phase", "transactions", "landings")
 
     def __init__(self, count):
         self.expected = self.pending = count
-        self.phase = 0
+        self.phase = self.transactions = 0
+        self.landings = []
+
+    def complete_if_done(self, lock):
+        if self.pending == 0 and self.transactions == 0:
+            for target, values in self.landings:
+                target[:] = values
+            self.landings.clear()
+            self.phase += 1
+            self.pending = self.expected
+            sim_warp.note_progress()
+            lock.notify_all()
 
 
 def _barriers():
@@ -108,15 +135,27 @@ def _state_of(barriers, address):
 
 
 def _mbarrier_arrive_python(address):
+    _mbarrier_expect_tx_python(address, 0)
+
+
+def _mbarrier_expect_tx_python(address, transaction_bytes):
     barriers, lock = _barriers()
     with lock:
         state = _state_of(barriers, address)
         state.pending -= 1
-        if state.pending == 0:
-            state.phase += 1
-            state.pending = state.expected
-            sim_warp.note_progress()
-            lock.notify_all()
+        state.transactions += int(transaction_bytes)
+        state.complete_if_done(lock)
+
+
+def complete_transaction(address, transaction_bytes, landing):
+    """(Twin only) a copy of `transaction_bytes` completes on the barrier: landing, a
+    (target, values) pair of byte arrays, is written when the phase completes."""
+    barriers, lock = _barriers()
+    with lock:
+        state = _state_of(barriers, address)
+        state.landings.append(landing)
+        state.transactions -= int(transaction_bytes)
+        state.complete_if_done(lock)
 
 
 def _mbarrier_wait_python(address, parity):
@@ -133,11 +172,12 @@ def _nothing():
 
 if SIMULATED:
     mbarrier_init, mbarrier_arrive = _mbarrier_init_python, _mbarrier_arrive_python
-    mbarrier_wait = _mbarrier_wait_python
+    mbarrier_wait, mbarrier_expect_tx = _mbarrier_wait_python, _mbarrier_expect_tx_python
     # The simulator's shared memory is one coherent memory: neither fence orders anything.
     fence_mbarrier_init = fence_proxy_async = _nothing
 else:
     mbarrier_init, mbarrier_arrive, mbarrier_wait = _mbarrier_init, _mbarrier_arrive, _mbarrier_wait
+    mbarrier_expect_tx = _mbarrier_expect_tx
     #: makes barrier initialisation visible to the async proxy and the other threads
     fence_mbarrier_init = void_instruction("fence.mbarrier_init.release.cluster;")
     #: orders this thread's ordinary (generic-proxy) shared-memory writes, cp.async's among
