@@ -86,6 +86,10 @@ def test_templates_refuse_strides_the_copy_engine_cannot_read():
         tensor_map_template((1, 8, 2, 64), (8 * 2 * 136, 2 * 136, 136, 2), 2, 8)
     with pytest.raises(ValueError, match="1 to 256 rows"):
         tensor_map_template((1, 8, 2, 64), (8 * 256, 256, 128, 2), 2, 300)
+    with pytest.raises(ValueError, match="16-bit items of a non-empty array"):
+        tensor_map_template((1, 0, 2, 64), (256, 256, 128, 2), 2, 8)
+    with pytest.raises(ValueError, match="16-bit items of a non-empty array"):
+        tensor_map_template((1, 8, 2, 64), (8 * 512, 512, 256, 4), 4, 8)
     # a dimension of one element: its stride is never used, so any stride passes
     assert len(tensor_map_template((1, 8, 1, 64), (3, 128, 5, 2), 2, 8)) == 16
 

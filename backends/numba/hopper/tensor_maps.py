@@ -2,11 +2,12 @@
 maps (device/intrinsics/tensor_copy.py: everything but the address, encoded once per shape,
 strides and box) and the scratch slots the kernels publish the maps to."""
 import functools
+import warnings
 
 import numpy as np
 from numba import cuda
 
-from ..device.intrinsics import MAP_WORDS, tensor_map_template
+from ..device.intrinsics import MAP_WORDS, TensorMapRefused, tensor_map_template
 
 #: the slots of a call's maps (16 words each): q, k and v
 MAP_SLOTS = (3, MAP_WORDS)
@@ -25,15 +26,21 @@ def map_slots(like):
 
 def map_templates(arrays_and_rows):
     """The templates of maps of 16-bit (batch, seqlen, heads, headdim) arrays, each with a box
-    of its `rows`, or None if the copy engine cannot read one of them (a stride that is not a
-    multiple of 16 bytes)."""
-    try:
-        return tuple(_template(tuple(x.shape), tuple(x.strides), rows)
-                     for x, rows in arrays_and_rows)
-    except ValueError:
-        return None
+    of its `rows`, or None if the copy engine cannot read one of them (tensor_map_template's
+    reasons; the engine's inputs have 16-byte rows already, marshal.tile_ready_input)."""
+    templates = tuple(_template(tuple(x.shape), tuple(x.strides), rows)
+                      for x, rows in arrays_and_rows)
+    return None if None in templates else templates
 
 
 @functools.lru_cache(maxsize=1024)
 def _template(shape, strides, rows):
-    return tensor_map_template(shape, strides, 2, rows)
+    """(Cached, refusals too: a call of the same shapes asks again.)"""
+    try:
+        return tensor_map_template(shape, strides, 2, rows)
+    except TensorMapRefused as refusal:  # (dims or strides past the driver's limits)
+        warnings.warn(f"{refusal}: these calls copy with cp.async", RuntimeWarning,
+                      stacklevel=2)
+    except ValueError:
+        pass
+    return None

@@ -121,3 +121,42 @@ def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
     monkeypatch.setitem(hopper_config.COPY_ENGINE_REGISTERS, 2, (32, 240))
     with pytest.raises(ValueError, match="exceed the 64512 a block of 384 threads holds"):
         HopperConfig(64).registers
+
+
+def test_a_varlen_sequence_never_reads_the_next_ones_keys(rng):
+    """varlen copies with cp.async, which stops at each sequence's end: the copy engine's box
+    would run on into the next sequence's rows, and non-finite values there would reach this
+    sequence's output (0 · NaN). The second sequence's keys and values are NaN here."""
+    import numba_flash
+    q = rng.standard_normal((60, 1, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((80, 1, 64)).astype(np.float16) for _ in range(2))
+    k[50:], v[50:] = np.nan, np.nan
+    cu_q, cu_k = np.array([0, 40, 60], np.int32), np.array([0, 50, 80], np.int32)
+    out, _ = numba_flash.forward_varlen(q, k, v, cu_q, cu_k, 40, 50, backend="numba-hopper")
+    want, _ = numba_flash.forward(q[None, :40], k[None, :50], v[None, :50], backend="numpy")
+    assert np.isfinite(out[:40]).all()
+    np.testing.assert_allclose(out[:40].astype(np.float64), want[0], atol=2e-3)
+
+
+def test_the_api_takes_the_copy_engine(rng, monkeypatch):
+    """A plain call through "numba-hopper" encodes its maps (the copy engine), and a driver
+    refusal falls back to cp.async with one warning per shape."""
+    import numba_flash
+    from numba_flash.backends.numba.hopper import fwd, tensor_maps
+    chosen = []
+
+    def spy(arrays_and_rows):
+        chosen.append(tensor_maps.map_templates(arrays_and_rows))
+        return chosen[-1]
+    monkeypatch.setattr(fwd, "map_templates", spy)
+    q, k, v = (rng.standard_normal((1, 30, 1, 64)).astype(np.float16) for _ in range(3))
+    numba_flash.forward(q, k, v, backend="numba-hopper")
+    assert len(chosen) == 1 and chosen[0] is not None and len(chosen[0]) == 3
+
+    def refuse(*args):
+        raise tensor_maps.TensorMapRefused("a refusal")
+    tensor_maps._template.cache_clear()
+    monkeypatch.setattr(tensor_maps, "tensor_map_template", refuse)
+    with pytest.warns(RuntimeWarning, match="a refusal: these calls copy with cp.async"):
+        assert tensor_maps.map_templates(((q, 128),)) is None
+    tensor_maps._template.cache_clear()

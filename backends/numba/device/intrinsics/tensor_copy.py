@@ -17,6 +17,9 @@ into shared memory in the 128-byte swizzle (16-byte chunk j of a 128-byte row r 
 elements outside the tensor as zeros, and counts its bytes on the mbarrier as completed
 transactions; `mbarrier_expect_tx` arrives on it announcing those bytes.
 """
+import threading
+import weakref
+
 import numpy as np
 from numba import types
 from numba.cuda.extending import intrinsic
@@ -141,12 +144,26 @@ def _tensor_copy_4d(typingctx, destination, slot, c0, c1, c2, c3, barrier):
 
 # -- the host's templates -------------------------------------------------------------------------
 
+#: the address a template is encoded with (the kernel replaces it; 16-byte aligned, as asked)
+_PLACEHOLDER_ADDRESS = 1 << 20
+#: the simulator's maps: its own layout, tagged
+_SIMULATED_MAP = 0x5E1A_7E4B_0000_0001
+
+
+class TensorMapRefused(ValueError):
+    """The driver would not encode a map (dims or strides beyond its limits)."""
+
+
 def tensor_map_template(shape, strides, itemsize, box_rows):
     """The 16 words (numpy.uint64) of a map of a 4-D array of this shape and byte strides
     (batch, rows, heads, columns; columns contiguous), address left out, whose box is
     BOX_ROW_BYTES of columns of one head of `box_rows` rows of one batch entry, in the 128-byte
     swizzle, zeros outside. Raises ValueError where the copy engine cannot read the array (a
-    stride not a multiple of 16 bytes)."""
+    stride not a multiple of 16 bytes, an empty dimension, not 16-bit), TensorMapRefused where
+    the driver does (the simulator checks what the driver would first)."""
+    if itemsize != 2 or min(shape) < 1:
+        raise ValueError(f"the copy engine here copies 16-bit items of a non-empty array; got "
+                         f"{itemsize}-byte items, shape {shape}")
     if itemsize * shape[3] % 16 or any(s % 16 for n, s in zip(shape[:3], strides[:3]) if n > 1):
         raise ValueError(f"the copy engine reads strides that are multiples of 16 bytes; got "
                          f"{strides} for shape {shape}")
@@ -165,8 +182,6 @@ def tensor_map_template(shape, strides, itemsize, box_rows):
 
 def _encoded(itemsize, dims, steps, box):
     from cuda.bindings import driver
-    if itemsize != 2:
-        raise ValueError(f"the Hopper kernels copy 16-bit elements; got {itemsize} bytes")
     wide, narrow = driver.cuuint64_t, driver.cuuint32_t  # (the binding's integer types)
     error, tensor_map = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, _PLACEHOLDER_ADDRESS,
@@ -177,21 +192,17 @@ def _encoded(itemsize, dims, steps, box):
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if error != driver.CUresult.CUDA_SUCCESS:
-        raise ValueError(f"cuTensorMapEncodeTiled refused dims {dims}, strides {steps}, box "
-                         f"{box}: {error.name}")
+        raise TensorMapRefused(f"cuTensorMapEncodeTiled refused dims {dims}, strides "
+                               f"{steps}, box {box}: {error.name}")
     return tuple(np.uint64(int(w)) for w in tensor_map.opaque)
-
-
-#: the address a template is encoded with (the kernel replaces it; 16-byte aligned, as asked)
-_PLACEHOLDER_ADDRESS = 1 << 20
-#: the simulator's maps: its own layout, tagged
-_SIMULATED_MAP = 0x5E1A_7E4B_0000_0001
 
 
 # -- twins ----------------------------------------------------------------------------------------
 
-#: published maps: (id of the slots' array, byte offset) -> (words, the tensor's address)
-_PUBLISHED = {}
+#: published maps: the slots' array (weakly: an entry goes with its call's scratch) -> {byte
+#: offset: (words, the tensor's address)}
+_PUBLISHED = weakref.WeakKeyDictionary()
+_PUBLISHED_LOCK = threading.Lock()
 
 
 def _words_at(address):
@@ -224,14 +235,19 @@ def _tensor_map_publish_python(slot, scratch):
         raise RuntimeError("publishing a map that was not stored and given an address")
     sim_warp.warp_barrier()  # (.sync.aligned: the warp's threads meet)
     _words_at(slot).view(np.uint64)[:] = words
-    _PUBLISHED[(id(slot.array), slot.byte_offset)] = (words, address)
+    with _PUBLISHED_LOCK:
+        _PUBLISHED.setdefault(slot.array, {})[slot.byte_offset] = (words, address)
+
+
+def _published(slot):
+    with _PUBLISHED_LOCK:
+        return _PUBLISHED.get(slot.array, {}).get(slot.byte_offset)
 
 
 def _tensor_map_acquire_python(slot):
-    key = (id(slot.array), slot.byte_offset)
-    if key not in _PUBLISHED:
+    if _published(slot) is None:
         raise RuntimeError(f"acquiring a map slot nothing was published to: {slot!r}")
-    sim_warp.thread_state("tensor_maps_acquired", set).add(key)
+    sim_warp.thread_state("tensor_maps_acquired", set).add((id(slot.array), slot.byte_offset))
 
 
 def _map_slot_python(maps, index):
@@ -241,10 +257,10 @@ def _map_slot_python(maps, index):
 
 
 def _tensor_copy_4d_python(destination, slot, c0, c1, c2, c3, barrier):
-    key = (id(slot.array), slot.byte_offset)
-    if key not in sim_warp.thread_state("tensor_maps_acquired", set):
+    acquired = sim_warp.thread_state("tensor_maps_acquired", set)
+    if (id(slot.array), slot.byte_offset) not in acquired:
         raise RuntimeError("a copy through a map this thread has not acquired")
-    words, address = _PUBLISHED[key]
+    words, address = _published(slot)
     if not np.array_equal(words, _words_at(slot).view(np.uint64)):
         raise RuntimeError("the map slot changed since it was published")
     if destination.byte_offset % 1024:
