@@ -378,7 +378,8 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
     tile tables (tile_classes.py); `maps`: a scratch int64 (3, 16) array of this call for the
     copy engine's tensor maps, never shared with a launch that may run at the same time
-    (made here if not given: a NumPy array for host inputs, else a Numba device array). `config` overrides hopper_forward_config (tests, tuning)."""
+    (made here if not given: a NumPy array for host inputs, else a Numba device array).
+    `config` overrides hopper_forward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)

@@ -83,6 +83,34 @@ def literal_instruction(make_text, check=None):
     return instruction
 
 
+def operand_instruction(text, kinds):
+    """An intrinsic of len(kinds) arguments that emits `text` (a void instruction the
+    compiler keeps in place, memory clobbered) with argument i cast to kinds[i] (a Numba
+    integer type: uint32 a "r" operand, as shared addresses are; int32 too; uint64 an "l")."""
+    from numba.cuda.extending import intrinsic
+    constraints = ",".join("l" if kind.bitwidth == 64 else "r" for kind in kinds)
+
+    def codegen(context, builder, sig, args):
+        values = [context.cast(builder, value, type_, kind)
+                  for value, type_, kind in zip(args, sig.args, kinds)]
+        asm(builder, text, constraints + ",~{memory}", values, side_effect=True)
+        return context.get_dummy_value()
+
+    # (Numba lowers an intrinsic's *args as one tuple: one signature per arity taken)
+    if len(kinds) == 1:
+        def typer(typingctx, a):
+            return types.void(a), codegen
+    elif len(kinds) == 2:
+        def typer(typingctx, a, b):
+            return types.void(a, b), codegen
+    elif len(kinds) == 7:
+        def typer(typingctx, a, b, c, d, e, f, g):
+            return types.void(a, b, c, d, e, f, g), codegen
+    else:
+        raise ValueError(f"operand_instruction takes 1, 2 or 7 operands; got {len(kinds)}")
+    return intrinsic(typer)
+
+
 def array_and_indices(context, builder, array_type, array_value, index_types, index_values):
     array = context.make_array(array_type)(context, builder, array_value)
     return array, [context.cast(builder, v, t, types.intp)

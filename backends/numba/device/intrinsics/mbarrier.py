@@ -12,75 +12,26 @@ at once, which is how a producer finds every stage of a new pipeline free. Addre
 import threading
 
 from numba import types
-from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import SIMULATED, asm, name_for_cache, void_instruction
+from ._llvm import SIMULATED, name_for_cache, operand_instruction, void_instruction
 from .shared import _SharedAddress
 
+_U32 = types.uint32
 
-def _cast_u32(context, builder, sig, args):
-    return [context.cast(builder, value, type_, types.uint32)
-            for value, type_ in zip(args, sig.args)]
-
-
-@intrinsic
-def _mbarrier_init(typingctx, address, count):
-    sig = types.void(address, count)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
-            _cast_u32(context, builder, sig, args), side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _mbarrier_arrive(typingctx, address):
-    """One arrival (release semantics at CTA scope: the caller's earlier writes are seen by
-    a thread whose wait sees the phase complete)."""
-    sig = types.void(address)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
-            _cast_u32(context, builder, sig, args), side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _mbarrier_expect_tx(typingctx, address, transaction_bytes):
-    """One arrival that also announces `transaction_bytes` the phase waits for besides the
-    arrivals (the bytes of copies that complete on this barrier: tensor_copy.py)."""
-    sig = types.void(address, transaction_bytes)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
-            _cast_u32(context, builder, sig, args), side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_WAIT = ("{ .reg .pred done; WAIT_${:uid}: "
-         "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
-         "@!done bra.uni WAIT_${:uid}; }")
-
-
-@intrinsic
-def _mbarrier_wait(typingctx, address, parity):
-    """Wait until the phase of this parity has completed (acquire: the arrivers' earlier
-    writes are seen)."""
-    sig = types.void(address, parity)
-
-    def codegen(context, builder, sig, args):
-        asm(builder, _WAIT, "r,r,~{memory}", _cast_u32(context, builder, sig, args),
-            side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+_mbarrier_init = operand_instruction("mbarrier.init.shared::cta.b64 [$0], $1;", (_U32, _U32))
+#: one arrival (release semantics at CTA scope: the caller's earlier writes are seen by a
+#: thread whose wait sees the phase complete)
+_mbarrier_arrive = operand_instruction("mbarrier.arrive.shared::cta.b64 _, [$0];", (_U32,))
+#: one arrival that also announces transaction bytes the phase waits for besides the
+#: arrivals (the bytes of copies that complete on this barrier: tensor_copy.py)
+_mbarrier_expect_tx = operand_instruction(
+    "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", (_U32, _U32))
+#: wait until the phase of this parity has completed (acquire: the arrivers' earlier writes
+#: are seen)
+_mbarrier_wait = operand_instruction(
+    "{ .reg .pred done; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+    "@!done bra.uni WAIT_${:uid}; }", (_U32, _U32))
 
 
 # -- twins ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 from . import sim_warp
-from ._llvm import SIMULATED, asm, element_address, name_for_cache
+from ._llvm import SIMULATED, asm, element_address, name_for_cache, operand_instruction
 from .cp_async import _GlobalAddress
 from .mbarrier import complete_transaction
 from .shared import _SharedAddress
@@ -55,58 +55,6 @@ def _tensor_map_store(typingctx, scratch, words):
     return sig, codegen
 
 
-_REPLACE_ADDRESS = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
-                    "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], ga; }")
-
-
-@intrinsic
-def _tensor_map_address(typingctx, scratch, address):
-    """Put a tensor's address (generic, as global_address gives it) into the map at `scratch`."""
-    sig = types.void(scratch, address)
-
-    def codegen(context, builder, sig, args):
-        values = [context.cast(builder, args[0], sig.args[0], types.uint32),
-                  context.cast(builder, args[1], sig.args[1], types.uint64)]
-        asm(builder, _REPLACE_ADDRESS, "r,l,~{memory}", values, side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_PUBLISH = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $0; tensormap.cp_fenceproxy.global."
-            "shared::cta.tensormap::generic.release.gpu.sync.aligned [ga], [$1], 128; }")
-
-
-@intrinsic
-def _tensor_map_publish(typingctx, slot, scratch):
-    """Copy the map at `scratch` to the global slot (a generic address, 128-byte aligned) and
-    release it to the copy engine; every thread of the warp calls it together, after the
-    writes to `scratch` (a warp barrier between)."""
-    sig = types.void(slot, scratch)
-
-    def codegen(context, builder, sig, args):
-        values = [context.cast(builder, args[0], sig.args[0], types.uint64),
-                  context.cast(builder, args[1], sig.args[1], types.uint32)]
-        asm(builder, _PUBLISH, "l,r,~{memory}", values, side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _tensor_map_acquire(typingctx, slot):
-    """Acquire the published map at `slot` for this thread's copies."""
-    sig = types.void(slot)
-
-    def codegen(context, builder, sig, args):
-        value = context.cast(builder, args[0], sig.args[0], types.uint64)
-        asm(builder, "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
-            [value], side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @intrinsic
 def _map_slot(typingctx, maps, index):
     """The generic address of slot `index` of a (slots, 16) uint64 array of map slots."""
@@ -122,24 +70,27 @@ def _map_slot(typingctx, maps, index):
     return sig, codegen
 
 
-_COPY_4D = ("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-            "[$0], [$1, {$2, $3, $4, $5}], [$6];")
-
-
-@intrinsic
-def _tensor_copy_4d(typingctx, destination, slot, c0, c1, c2, c3, barrier):
-    """Copy the box at coordinates (c0, c1, c2, c3) of the tensor the map at `slot` describes to
-    the 32-bit shared address `destination`, completing on the mbarrier at `barrier`."""
-    sig = types.void(destination, slot, c0, c1, c2, c3, barrier)
-
-    def codegen(context, builder, sig, args):
-        kinds = (types.uint32, types.uint64) + (types.int32,) * 4 + (types.uint32,)
-        values = [context.cast(builder, value, type_, kind)
-                  for value, type_, kind in zip(args, sig.args, kinds)]
-        asm(builder, _COPY_4D, "r,l,r,r,r,r,r,~{memory}", values, side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+_U32, _U64, _I32 = types.uint32, types.uint64, types.int32
+#: put a tensor's address (generic, as global_address gives it) into the map at a shared
+#: address
+_tensor_map_address = operand_instruction(
+    "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+    "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], ga; }", (_U32, _U64))
+#: copy the map at a shared address to a global slot (a generic address, 128-byte aligned)
+#: and release it to the copy engine; every thread of the warp calls it together, after the
+#: writes to the map (a warp barrier between)
+_tensor_map_publish = operand_instruction(
+    "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; tensormap.cp_fenceproxy.global."
+    "shared::cta.tensormap::generic.release.gpu.sync.aligned [ga], [$1], 128; }", (_U64, _U32))
+#: acquire the published map at a slot for this thread's copies
+_tensor_map_acquire = operand_instruction(
+    "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", (_U64,))
+#: copy the box at coordinates (c0, c1, c2, c3) of the tensor the map at `slot` describes to
+#: a shared address, completing on the mbarrier at `barrier`: (destination, slot, c0, c1, c2,
+#: c3, barrier)
+_tensor_copy_4d = operand_instruction(
+    "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+    "[$0], [$1, {$2, $3, $4, $5}], [$6];", (_U32, _U64, _I32, _I32, _I32, _I32, _U32))
 
 
 # -- the host's templates -------------------------------------------------------------------------
