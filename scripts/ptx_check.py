@@ -248,8 +248,10 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
                            f"{', float32[:, :, ::1]' * 6}, Tuple(()))", dk_dv_bytes)
 
 
-#: the Hopper forward's tensor-map arguments: the slots and the three templates
-MAPS = "int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)"
+#: the Hopper kernels' tensor-map arguments: the slots and the templates (the forward's
+#: three, each backward kernel's four)
+MAPS, BACKWARD_MAPS = ("int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)",
+                       "int64[:, ::1], UniTuple(UniTuple(uint64, 16), 4)")
 
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
@@ -282,10 +284,11 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                 f3 = "float32[:, :, :]"
                 dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(backward, head_dim)
                 yield (f"hopper_bwd_dk_dv_{tag}", hopper_dk_dv_kernel_function(backward, spec),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32"
-                       f"{extras})", dk_dv_bytes, (backward.threads, 1))
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, {u4}, float32, float32, "
+                       f"{BACKWARD_MAPS}{extras})", dk_dv_bytes, (backward.threads, 1))
                 yield (f"hopper_bwd_dq_{tag}", hopper_dq_kernel_function(backward, spec),
-                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32{extras})",
+                       f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32, "
+                       f"{BACKWARD_MAPS}{extras})",
                        dq_bytes, (backward.threads, 1))
 
 

@@ -5,9 +5,13 @@ One block per (key tile of ROWS = 64·CONSUMERS keys, key/value head, batch entr
 of 1 + CONSUMERS warpgroups:
   - the producer (setmaxnreg.dec) copies the key tile's K and V once, then for each query
     tile of each query head of the GQA group that sees the keys (device/block_range.py's
-    group walk, in a fixed order) its Q and dO (cp.async, the 128-byte swizzle of layout.py)
-    and its lse (log2 units) and D (plain stores) into stage j % STAGES, announcing each on
-    the stage's full mbarrier;
+    group walk, in a fixed order) its Q and dO (the 128-byte swizzle of layout.py) and its
+    lse (log2 units) and D (plain stores) into stage j % STAGES, announcing each on the
+    stage's full mbarrier. With the copy engine (config.copy_engine) its first warp does it:
+    one lane issues the copies (tensor maps the warp publishes first, as the forward's),
+    which complete on the barrier as transactions, and every lane writes its share of the
+    stats and arrives; otherwise the warpgroup copies with cp.async (varlen:
+    config.copies_for);
   - each consumer (setmaxnreg.inc) owns 64 keys: per query tile Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     (products over the head dim, both tiles K-major), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − D) in
     registers (device/fragments.py, columns are queries), then dV += Pᵀ dO and dK += dSᵀ Q
@@ -25,18 +29,19 @@ from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_wa
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
-                                 mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
-                                 setmaxnreg_inc, shared_base, syncwarp, wgmma_commit,
-                                 wgmma_fence, wgmma_wait)
+                                 map_slot, mbarrier_arrive, mbarrier_expect_tx, mbarrier_wait,
+                                 opaque, setmaxnreg_dec, setmaxnreg_inc, shared_base, syncwarp,
+                                 tensor_map_acquire, wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
 from .config import WARPGROUP, tile_bytes
-from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
+from .tensor_maps import SCRATCH_WORDS, publish_maps, write_map
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,12 +58,16 @@ def hopper_dk_dv_kernel_function(config, spec):
     # mbarriers: K and V's; the pipeline's full and empty ones (products.py)
     STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
-    init_barriers = make_barrier_init(1, STAGES, CONSUMERS * (WARPGROUP // 32))  # (per warp)
+    COPY_ENGINE = config.copy_engine
+    # (empty: an arrival per consumer warp; full: the producer warp's lanes, or warpgroup's)
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS * (WARPGROUP // 32),
+                                      32 if COPY_ENGINE else WARPGROUP)
     STATS_SHAPE = (2 * STAGES, BLOCK_M)  # lse (log2 units) and D of each stage's queries
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NQ, 4), (1, DB, 4), (QC, 4)
 
     load_keys = make_tile_loader(D, ROWS)
     load_queries = make_tile_loader(D, BLOCK_M)
+    copy_keys, copy_queries = make_tile_copy(D, ROWS), make_tile_copy(D, BLOCK_M)
     score_products = make_score_products(BLOCK_M, spec.bf16, D, ROWS, BLOCK_M)
     grad_products = make_register_products(D, spec.bf16, QC, BLOCK_M)
     fence_scores, fence_acc = make_fence_operands(NQ * 4), make_fence_operands(DB * 4)
@@ -74,6 +83,16 @@ def hopper_dk_dv_kernel_function(config, spec):
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+
+    @cuda.jit(device=True, inline="always")
+    def write_stats(stats, s, lse, delta, b, h, row0, q_end, first, step):
+        """lse (log2 units) and D of the stage's query rows first, first + step, ... (rows
+        past the sequence: P = 0)."""
+        for r in range(first, BLOCK_M, step):
+            row = row0 + r
+            in_range = row < q_end
+            stats[2 * s, r] = lse_log2(lse[b, h, row]) if in_range else POS_INF
+            stats[2 * s + 1, r] = delta[b, h, row] if in_range else ZERO
 
     @cuda.jit(device=True, inline="always")
     def produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start, q_end, k_row0,
@@ -94,20 +113,53 @@ def hopper_dk_dv_kernel_function(config, spec):
             mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
             load_queries(smem_base + Q_START + s * Q_TILE, q, b, q_start + m0, h, q_end)
             load_queries(smem_base + DO_START + s * Q_TILE, dout, b, q_start + m0, h, q_end)
-            for r in range(cuda.threadIdx.x % WARPGROUP, BLOCK_M, WARPGROUP):
-                row = q_start + m0 + r
-                in_range = row < q_end  # (rows past the sequence: P = 0)
-                stats[2 * s, r] = lse_log2(lse[b, h, row]) if in_range else POS_INF
-                stats[2 * s + 1, r] = delta[b, h, row] if in_range else ZERO
+            write_stats(stats, s, lse, delta, b, h, q_start + m0, q_end,
+                        cuda.threadIdx.x % WARPGROUP, WARPGROUP)
             cp_async_commit()
             announce_previous(landed)
             landed = bars + STAGE_FULL + 8 * s
             j += 1
         announce_all(landed)
 
+    @cuda.jit(device=True, inline="always")
+    def produce_by_copy_engine(smem_base, bars, stats, maps, lse, delta, b, q_start, q_end,
+                               k_row0, h_kv, h_first, m_begin, m_stop, span, tiles, seq, n0):
+        """The producer warp with the copy engine (maps 0-3: q, dout, k, v): lane 0 issues K
+        and V, then each visited query tile's Q and dO, announced (arrive.expect_tx) before
+        their copies; every lane writes its share of the tile's stats and arrives (an
+        arrival releases the lane's stores to the consumers)."""
+        lane = cuda.threadIdx.x % 32
+        if lane == 0:
+            for i in range(4):
+                tensor_map_acquire(map_slot(maps, i))
+            mbarrier_expect_tx(bars, 2 * ROW_TILE)
+            copy_keys(smem_base, map_slot(maps, 2), h_kv, k_row0, b, bars)
+            copy_keys(smem_base + V_START, map_slot(maps, 3), h_kv, k_row0, b, bars)
+        else:
+            mbarrier_arrive(bars)
+        j = 0
+        for step in range(m_begin, m_stop, BLOCK_M):
+            head, m0 = walk_position(step, m_begin, span)
+            h = h_first + head
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
+            s = j % STAGES
+            full = bars + STAGE_FULL + 8 * s
+            mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
+            write_stats(stats, s, lse, delta, b, h, q_start + m0, q_end, lane, 32)
+            if lane == 0:
+                mbarrier_expect_tx(full, 2 * Q_TILE)
+                copy_queries(smem_base + Q_START + s * Q_TILE, map_slot(maps, 0), h,
+                             q_start + m0, b, full)
+                copy_queries(smem_base + DO_START + s * Q_TILE, map_slot(maps, 1), h,
+                             q_start + m0, b, full)
+            else:
+                mbarrier_arrive(full)
+            j += 1
+
     def flash_bwd_dk_dv_hopper(q, k, v, dout, lse, delta, dk, dv, scale_log2, softmax_scale,
-                               alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
-                               tile_spans, mod_arrays):
+                               maps, templates, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                               attn_mask, tile_classes, tile_spans, mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
         n0 = cuda.blockIdx.x * ROWS
@@ -125,6 +177,7 @@ def hopper_dk_dv_kernel_function(config, spec):
         smem = cuda.shared.array(0, uint16)  # dynamic: K, V, Q and dO tiles
         stats = cuda.shared.array(STATS_SHAPE, float32)
         barrier_words = cuda.shared.array(BARRIERS, uint64)
+        map_words = cuda.shared.array(SCRATCH_WORDS, uint64)
         smem_base = shared_base(smem, ATOM_BYTES)
         bars = shared_base(barrier_words, 8)
         if tid == 0:
@@ -133,9 +186,21 @@ def hopper_dk_dv_kernel_function(config, spec):
 
         if warpgroup == 0:
             setmaxnreg_dec(PRODUCER_REGISTERS)
-            produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start,
-                    q_start + seqlen_q, k_start + n0, k_start + seqlen_k, h_kv, h_first,
-                    m_begin, m_stop, span, tiles, seq, n0)
+            if not COPY_ENGINE:
+                produce(smem_base, bars, stats, q, k, v, dout, lse, delta, b, q_start,
+                        q_start + seqlen_q, k_start + n0, k_start + seqlen_k, h_kv, h_first,
+                        m_begin, m_stop, span, tiles, seq, n0)
+            elif tid < 32:
+                scratch = shared_base(map_words, 128)
+                if tid == 0:
+                    write_map(scratch, 0, q, templates[0])
+                    write_map(scratch, 1, dout, templates[1])
+                    write_map(scratch, 2, k, templates[2])
+                    write_map(scratch, 3, v, templates[3])
+                publish_maps(scratch, maps, 4)
+                produce_by_copy_engine(smem_base, bars, stats, maps, lse, delta, b, q_start,
+                                       q_start + seqlen_q, k_start + n0, h_kv, h_first,
+                                       m_begin, m_stop, span, tiles, seq, n0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1

@@ -4,8 +4,11 @@ an mbarrier pipeline, deterministic (no atomics), in Numba.
 One block per (query tile of ROWS = 64·CONSUMERS queries, head, batch entry or sequence) of
 1 + CONSUMERS warpgroups:
   - the producer (setmaxnreg.dec) copies the query tile's Q and dO once, then each key tile
-    the queries see (device/block_range.py) K and V into stage j % STAGES (cp.async, the
-    128-byte swizzle of layout.py), announcing each on the stage's full mbarrier;
+    the queries see (device/block_range.py) K and V into stage j % STAGES (the 128-byte
+    swizzle of layout.py), announcing each on the stage's full mbarrier: with the copy engine
+    (config.copy_engine) one thread issues the copies, which complete on that barrier as
+    transactions (tensor maps its warp publishes first, as the forward's); otherwise the
+    warpgroup copies with cp.async (varlen: config.copies_for);
   - each consumer (setmaxnreg.inc) owns 64 queries, their lse and D in registers: per key
     tile S = Q Kᵀ and dP = dO Vᵀ (products over the head dim, all tiles K-major), P and
     dS = P ∘ (dP − D) in registers (device/fragments.py, rows are queries), then dQ += dS K
@@ -25,18 +28,19 @@ from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
-                                 mbarrier_arrive, mbarrier_wait, opaque, setmaxnreg_dec,
-                                 setmaxnreg_inc, shared_base, wgmma_commit, wgmma_fence,
-                                 wgmma_wait)
+                                 map_slot, mbarrier_arrive, mbarrier_expect_tx, mbarrier_wait,
+                                 opaque, setmaxnreg_dec, setmaxnreg_inc, shared_base,
+                                 tensor_map_acquire, wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
 from ..device.softmax import lse_log2
 from .config import WARPGROUP, tile_bytes
-from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
+from .tensor_maps import SCRATCH_WORDS, publish_maps, write_map
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -54,11 +58,13 @@ def hopper_dq_kernel_function(config, spec):
     # mbarriers: Q and dO's; the pipeline's full and empty ones (products.py)
     STAGE_FULL, STAGE_EMPTY = full_barrier(0, 0, STAGES), empty_barrier(0, 0, STAGES, 1)
     BARRIERS = barrier_words(1, STAGES)
-    init_barriers = make_barrier_init(1, STAGES, CONSUMERS)
+    COPY_ENGINE = config.copy_engine
+    init_barriers = make_barrier_init(1, STAGES, CONSUMERS, 1 if COPY_ENGINE else WARPGROUP)
     S_SHAPE, ACC_SHAPE, A_SHAPE = (1, NB, 4), (1, DB, 4), (KC, 4)
 
     load_queries = make_tile_loader(D, ROWS)
     load_keys = make_tile_loader(D, BLOCK_N)
+    copy_queries, copy_keys = make_tile_copy(D, ROWS), make_tile_copy(D, BLOCK_N)
     score_products = make_score_products(BLOCK_N, spec.bf16, D, ROWS, BLOCK_N)
     grad_products = make_register_products(D, spec.bf16, KC, BLOCK_N)
     fence_scores, fence_acc = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
@@ -101,6 +107,32 @@ def hopper_dq_kernel_function(config, spec):
             landed = bars + STAGE_FULL + 8 * s
             j += 1
         announce_all(landed)
+
+    @cuda.jit(device=True, inline="always")
+    def produce_by_copy_engine(smem_base, bars, maps, b, q_row0, k_start, h, h_kv, n_begin,
+                               n_tiles, tiles, seq, m0):
+        """The producer thread with the copy engine (maps 0-3: q, dout, k, v): Q and dO, then
+        each visited key tile's K and V, each pair announced (arrive.expect_tx) before its
+        copies are issued."""
+        q_slot, do_slot = map_slot(maps, 0), map_slot(maps, 1)
+        k_slot, v_slot = map_slot(maps, 2), map_slot(maps, 3)
+        for i in range(4):
+            tensor_map_acquire(map_slot(maps, i))
+        mbarrier_expect_tx(bars, 2 * ROW_TILE)
+        copy_queries(smem_base, q_slot, h, q_row0, b, bars)
+        copy_queries(smem_base + DO_START, do_slot, h, q_row0, b, bars)
+        j = 0  # the visited tiles so far (the stages count them)
+        for tile in range(n_tiles):
+            n0 = n_begin + tile * BLOCK_N
+            if mod_class(tiles, seq, h, m0, n0) == EMPTY:
+                continue
+            s = j % STAGES
+            full = bars + STAGE_FULL + 8 * s
+            mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
+            mbarrier_expect_tx(full, 2 * KV_TILE)
+            copy_keys(smem_base + K_START + s * KV_TILE, k_slot, h_kv, k_start + n0, b, full)
+            copy_keys(smem_base + V_START + s * KV_TILE, v_slot, h_kv, k_start + n0, b, full)
+            j += 1
 
     @cuda.jit(device=True, inline="always")
     def issue_scores(s, dp, q_rows, smem_base, bars, j):
@@ -155,9 +187,9 @@ def hopper_dq_kernel_function(config, spec):
         for kc in range(KC):
             ds[kc, 0], ds[kc, 1], ds[kc, 2], ds[kc, 3] = pack_chunk(dp, 0, kc)
 
-    def flash_bwd_dq_hopper(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale,
-                            alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask, tile_classes,
-                            tile_spans, mod_arrays):
+    def flash_bwd_dq_hopper(q, k, v, dout, lse, delta, dq, scale_log2, softmax_scale, maps,
+                            templates, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_mask,
+                            tile_classes, tile_spans, mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
         m0 = query_tile_index() * ROWS
@@ -174,6 +206,7 @@ def hopper_dq_kernel_function(config, spec):
 
         smem = cuda.shared.array(0, uint16)  # dynamic: Q, dO, K and V tiles
         barrier_words = cuda.shared.array(BARRIERS, uint64)
+        map_words = cuda.shared.array(SCRATCH_WORDS, uint64)
         smem_base = shared_base(smem, ATOM_BYTES)
         bars = shared_base(barrier_words, 8)
         if tid == 0:
@@ -182,8 +215,20 @@ def hopper_dq_kernel_function(config, spec):
 
         if warpgroup == 0:
             setmaxnreg_dec(PRODUCER_REGISTERS)
-            produce(smem_base, bars, q, k, v, dout, b, q_start + m0, q_start + seqlen_q,
-                    k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
+            if not COPY_ENGINE:
+                produce(smem_base, bars, q, k, v, dout, b, q_start + m0, q_start + seqlen_q,
+                        k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
+            elif tid < 32:
+                scratch = shared_base(map_words, 128)
+                if tid == 0:
+                    write_map(scratch, 0, q, templates[0])
+                    write_map(scratch, 1, dout, templates[1])
+                    write_map(scratch, 2, k, templates[2])
+                    write_map(scratch, 3, v, templates[3])
+                publish_maps(scratch, maps, 4)
+                if tid == 0:
+                    produce_by_copy_engine(smem_base, bars, maps, b, q_start + m0, k_start, h,
+                                           h_kv, n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1

@@ -11,13 +11,18 @@ WARPGROUP = 128
 #: The producer's cp.async loop spills below 72 (d128 with every variant: 56 spilled 8
 #: bytes); the d256 consumers below about 200.
 REGISTERS = {2: (72, 216)}
-#: with the copy engine one producer thread issues copies: it keeps 40 (at 24 a mask_mod's
-#: tile classes spilled 80 bytes) and the consumers take the rest of the block's 64512
+#: with the copy engine one producer thread issues copies (in the backward's dK/dV kernel
+#: its warp also writes each query tile's lse and D): it keeps 40 (at 24 a mask_mod's tile
+#: classes spilled 80 bytes) and the consumers take the rest of the block's 64512
 COPY_ENGINE_REGISTERS = {2: (40, 232)}
 #: the backward's: its producer streams two 16-bit tiles per step with the other two held,
 #: and spilled below 96 at d128, below 104 with every variant (its consumers fit in 200 with
 #: 32-query tiles for dK/dV)
 BACKWARD_REGISTERS = {2: (104, 200)}
+#: the backward's with the copy engine: its producer warp issues copies and writes the stats
+#: (at 40 the dK/dV kernel spilled 92 bytes; an attn_mask's dQ 52 at 56, so masked calls keep
+#: BACKWARD_REGISTERS: wide_producer)
+BACKWARD_COPY_ENGINE_REGISTERS = {2: (56, 224)}
 #: shared memory a Hopper block may take (sm_90's opt-in limit)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 #: the multiprocessor's registers; a block launched with launch_bounds=(threads, 1) holds
@@ -107,31 +112,45 @@ class HopperBackwardConfig(_Roles):
     block, queries of a dQ block), dK/dV looping over query tiles of block_m and dQ over key
     tiles of block_n, each in a pipeline of `stages` buffers: at least 3, since a dQ consumer
     frees tile j's stage in the turn that needs tile j + 1 (turns.py), and the producer
-    announces tile j + 1 once it has issued tile j + 2's copies (with 2 stages, into tile j's
-    stage: a deadlock)."""
+    with cp.async announces tile j + 1 once it has issued tile j + 2's copies (with 2 stages,
+    into tile j's stage: a deadlock); `copy_engine` as HopperConfig's; `wide_producer`: the
+    producer keeps BACKWARD_REGISTERS' share with the copy engine too (a mask_mod's tile
+    tables and walk in its loop spilled below 104 registers)."""
 
     block_m: int
     block_n: int
     consumers: int = 2
     stages: int = 3
+    copy_engine: bool = True
+    wide_producer: bool = False
 
     def __post_init__(self):
         if self.stages < 3:
             raise ValueError(f"the Hopper backward needs 3 stages or more; got {self.stages}")
-    register_table = BACKWARD_REGISTERS
+
+    @property
+    def register_table(self):
+        lean = self.copy_engine and not self.wide_producer
+        return BACKWARD_COPY_ENGINE_REGISTERS if lean else BACKWARD_REGISTERS
 
 
 # d256: dK and dV of 64 keys would take the consumers' every register (the mma.sync backward
 # splits the head dim there; these kernels do not yet).
 _HOPPER_BACKWARD = (
     (64, HopperBackwardConfig(block_m=64, block_n=64)),
-    (128, HopperBackwardConfig(block_m=32, block_n=64)),
+    (128, HopperBackwardConfig(block_m=64, block_n=64)),  # (224 consumer registers)
+)
+#: with cp.async (varlen, or maps the driver refuses): 200 consumer registers, in which the
+#: d128 dK/dV kernel's 64-query tiles spilled 704 bytes
+_HOPPER_BACKWARD_CP_ASYNC = (
+    (64, HopperBackwardConfig(block_m=64, block_n=64, copy_engine=False)),
+    (128, HopperBackwardConfig(block_m=32, block_n=64, copy_engine=False)),
 )
 #: with an attn_mask or a mask_mod (as _HOPPER_FORWARD_MASKED; the plain table's dK/dV spilled
 #: up to 456 bytes, its dQ 112)
 _HOPPER_BACKWARD_MASKED = (
-    (64, HopperBackwardConfig(block_m=32, block_n=64)),
-    (128, HopperBackwardConfig(block_m=16, block_n=32)),
+    (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
+    (128, HopperBackwardConfig(block_m=16, block_n=32, wide_producer=True)),
 )
 
 
@@ -164,10 +183,15 @@ def _masked(spec):
     return spec.attn_mask is not None or spec.mask_mod is not None
 
 
-def hopper_backward_config(head_dim, spec):
-    """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None."""
-    table = _HOPPER_BACKWARD_MASKED if _masked(spec) else _HOPPER_BACKWARD
-    return None if head_dim % 16 else lookup(table, head_dim)
+def hopper_backward_config(head_dim, spec, copy_engine=True):
+    """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None;
+    copy_engine=False: the config for cp.async copies."""
+    table = (_HOPPER_BACKWARD_MASKED if _masked(spec) else _HOPPER_BACKWARD
+             if copy_engine and not spec.varlen else _HOPPER_BACKWARD_CP_ASYNC)
+    config = None if head_dim % 16 else lookup(table, head_dim)
+    if config and not copy_engine:
+        return replace(config, copy_engine=False)
+    return config and copies_for(spec, config)
 
 
 def hopper_forward_config(head_dim, spec):

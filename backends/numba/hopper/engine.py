@@ -88,7 +88,8 @@ class HopperEngine(Engine):
                                *(kernel_view for kernel_view, _ in outputs), stream,
                                extras=kernel_extras,
                                tiles=call_tiles(spec, extras, kernel_extras, *inputs[1:3],
-                                                alloc, stream))
+                                                alloc, stream),
+                               maps=[marshal.view(alloc(MAP_SLOTS, "int64")) for _ in range(2)])
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)

@@ -41,25 +41,25 @@ from numba import cuda, float32, uint16, uint32, uint64
 from ..device.block_range import EMPTY, PARTIAL, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
-from ..device.intrinsics import (MAP_WORDS, SIMULATED, cp_async_commit, global_address,
-                                 make_descriptor, make_fence_operands, map_slot, mbarrier_arrive,
+from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor,
+                                 make_fence_operands, map_slot, mbarrier_arrive,
                                  mbarrier_expect_tx, mbarrier_wait, setmaxnreg_dec,
-                                 setmaxnreg_inc, shared_base, shfl_xor, syncwarp, tensor_copy_4d,
-                                 tensor_map_acquire, tensor_map_address, tensor_map_publish,
-                                 tensor_map_store, wgmma_commit, wgmma_fence, wgmma_wait)
+                                 setmaxnreg_inc, shared_base, shfl_xor, tensor_map_acquire,
+                                 wgmma_commit, wgmma_fence, wgmma_wait)
 from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
-from .config import (WARPGROUP, column_blocks, copies_for, hopper_forward_config,
-                     hopper_forward_shared_bytes, tile_bytes)
-from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_loader
+from .config import (WARPGROUP, copies_for, hopper_forward_config, hopper_forward_shared_bytes,
+                     tile_bytes)
+from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
-from .tensor_maps import NO_TEMPLATES, map_slots, map_templates
+from .tensor_maps import (SCRATCH_WORDS, map_slots, map_templates, no_templates, publish_maps,
+                          write_map)
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -86,8 +86,7 @@ def hopper_forward_kernel_function(config, spec):
 
     load_q = make_tile_loader(D, BLOCK_M)
     load_kv = make_tile_loader(D, BLOCK_N)
-    COLUMN_BLOCKS = column_blocks(D)  # (one copy of the copy engine each)
-    MAP_SCRATCH_WORDS = 4 * MAP_WORDS  # three maps, aligned to 128 bytes within
+    copy_q, copy_kv = make_tile_copy(D, BLOCK_M), make_tile_copy(D, BLOCK_N)
     score_products = make_score_products(BLOCK_N, spec.bf16, D, BLOCK_M, BLOCK_N)
     pv_products = make_register_products(D, spec.bf16, KC, BLOCK_N)
     fence_scores, fence_out = make_fence_operands(NB * 4), make_fence_operands(DB * 4)
@@ -134,28 +133,6 @@ def hopper_forward_kernel_function(config, spec):
         announce_all(landed)
 
     @cuda.jit(device=True, inline="always")
-    def publish_maps(scratch, maps, q, k, v, templates):
-        """The warp's part before the copy engine's copies: the maps of q, k and v (their
-        templates with the arrays' addresses) published to slots 0, 1, 2 of `maps`."""
-        if cuda.threadIdx.x % 32 == 0:
-            tensor_map_store(scratch, templates[0])
-            tensor_map_address(scratch, global_address(q, 0, 0, 0, 0))
-            tensor_map_store(scratch + 128, templates[1])
-            tensor_map_address(scratch + 128, global_address(k, 0, 0, 0, 0))
-            tensor_map_store(scratch + 256, templates[2])
-            tensor_map_address(scratch + 256, global_address(v, 0, 0, 0, 0))
-        syncwarp()
-        for i in range(3):
-            tensor_map_publish(map_slot(maps, i), scratch + 128 * i)
-
-    @cuda.jit(device=True, inline="always")
-    def copy_tile(tile, rows, slot, h, row0, b, barrier):
-        """The copy engine's copies of rows [row0, row0 + rows) of head h of entry b into the
-        tile at shared address `tile`, one per 64-column block, completing on `barrier`."""
-        for c in range(COLUMN_BLOCKS):
-            tensor_copy_4d(tile + c * rows * ROW_BYTES, slot, 64 * c, h, row0, b, barrier)
-
-    @cuda.jit(device=True, inline="always")
     def produce_by_copy_engine(smem_base, bars, maps, b, q_row0, k_start, h, h_kv, n_begin,
                                n_tiles, tiles, seq, m0):
         """The producer thread with the copy engine: Q, then each visited key tile's K and V,
@@ -165,7 +142,7 @@ def hopper_forward_kernel_function(config, spec):
         tensor_map_acquire(k_slot)
         tensor_map_acquire(v_slot)
         mbarrier_expect_tx(bars, Q_BYTES)
-        copy_tile(smem_base, BLOCK_M, q_slot, h, q_row0, b, bars)
+        copy_q(smem_base, q_slot, h, q_row0, b, bars)
         j = 0  # the visited tiles so far (the stages count them)
         for tile in range(n_tiles):
             n0 = n_begin + tile * BLOCK_N
@@ -175,12 +152,12 @@ def hopper_forward_kernel_function(config, spec):
             row0 = k_start + n0
             mbarrier_wait(bars + K_EMPTY + 8 * s, free_parity(j, STAGES))
             mbarrier_expect_tx(bars + K_FULL + 8 * s, KV_BYTES)
-            copy_tile(smem_base + K_START + s * KV_BYTES, BLOCK_N, k_slot, h_kv, row0, b,
-                      bars + K_FULL + 8 * s)
+            copy_kv(smem_base + K_START + s * KV_BYTES, k_slot, h_kv, row0, b,
+                    bars + K_FULL + 8 * s)
             mbarrier_wait(bars + V_EMPTY + 8 * s, free_parity(j, STAGES))
             mbarrier_expect_tx(bars + V_FULL + 8 * s, KV_BYTES)
-            copy_tile(smem_base + V_START + s * KV_BYTES, BLOCK_N, v_slot, h_kv, row0, b,
-                      bars + V_FULL + 8 * s)
+            copy_kv(smem_base + V_START + s * KV_BYTES, v_slot, h_kv, row0, b,
+                    bars + V_FULL + 8 * s)
             j += 1
 
     @cuda.jit(device=True, inline="always")
@@ -253,7 +230,7 @@ def hopper_forward_kernel_function(config, spec):
 
         smem = cuda.shared.array(0, uint16)  # dynamic: Q, K and V tiles
         barrier_words = cuda.shared.array(BARRIERS, uint64)
-        map_words = cuda.shared.array(MAP_SCRATCH_WORDS, uint64)
+        map_words = cuda.shared.array(SCRATCH_WORDS, uint64)
         smem_base = shared_base(smem, ATOM_BYTES)  # tiles start on the swizzle's atoms
         bars = shared_base(barrier_words, 8)
         if tid == 0:
@@ -266,7 +243,12 @@ def hopper_forward_kernel_function(config, spec):
                 produce(smem_base, bars, q, k, v, b, q_start + m0, q_start + seqlen_q, k_start,
                         k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
             elif tid < 32:
-                publish_maps(shared_base(map_words, 128), maps, q, k, v, templates)
+                scratch = shared_base(map_words, 128)
+                if tid == 0:
+                    write_map(scratch, 0, q, templates[0])
+                    write_map(scratch, 1, k, templates[1])
+                    write_map(scratch, 2, v, templates[2])
+                publish_maps(scratch, maps, 3)
                 if tid == 0:
                     produce_by_copy_engine(smem_base, bars, maps, b, q_start + m0, k_start, h,
                                            h_kv, n_begin, n_tiles, tiles, seq, m0)
@@ -376,9 +358,10 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
     cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
-    tile tables (tile_classes.py); `maps`: a scratch int64 (3, 16) array of this call for the
-    copy engine's tensor maps, never shared with a launch that may run at the same time
-    (made here if not given: a NumPy array for host inputs, else a Numba device array).
+    tile tables (tile_classes.py); `maps`: a scratch int64 array of this call, of shape
+    tensor_maps.MAP_SLOTS, for the copy engine's tensor maps, never shared with a launch that
+    may run at the same time (made here if not given: a NumPy array for host inputs, else a
+    Numba device array).
     `config` overrides hopper_forward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
@@ -391,7 +374,7 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
         ((q, config.block_m), (k, config.block_n), (v, config.block_n)))
     if not templates:  # (cp.async: the config's choice, or strides the copy engine refuses)
         config = dataclasses.replace(config, copy_engine=False)
-        templates = NO_TEMPLATES
+        templates = no_templates(3)
     if maps is None:
         maps = map_slots(lse)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))

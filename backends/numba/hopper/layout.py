@@ -1,7 +1,7 @@
 """Where the Hopper kernels keep their tiles: 16-bit tiles in the 128-byte swizzle that wgmma
 reads through matrix descriptors (device/intrinsics/wgmma.py), brought from global memory by
-the copy engine (whose 128-byte swizzle places chunks the same way) or by the producer
-warpgroup's cp.async copies (make_tile_loader), and the descriptors of each product's
+the copy engine (whose 128-byte swizzle places chunks the same way: make_tile_copy) or by the
+producer warpgroup's cp.async copies (make_tile_loader), and the descriptors of each product's
 operands.
 
 A tile of `rows` rows and head_dim columns is stored as 64-column blocks (128 bytes of a row
@@ -15,8 +15,8 @@ import functools
 
 from numba import cuda, uint32
 
-from ..device.intrinsics import advance, cp_async_16_from, global_address
-from .config import WARPGROUP
+from ..device.intrinsics import advance, cp_async_16_from, global_address, tensor_copy_4d
+from .config import WARPGROUP, column_blocks
 
 ROW_BYTES = 128
 ATOM_BYTES = 8 * ROW_BYTES
@@ -72,3 +72,21 @@ def make_tile_loader(head_dim, rows):
             source = advance(source, step)
 
     return load
+
+
+@functools.lru_cache(maxsize=None)
+def make_tile_copy(head_dim, rows):
+    """copy(tile, slot, h, row0, b, barrier): the copy engine's copies of rows [row0, row0 +
+    rows) of head h of batch entry b, through the tensor map at `slot` (its box: 64 columns
+    of `rows` rows), into the tile at shared address `tile`, one copy per 64-column block,
+    each completing on `barrier`; rows past the tensor's seqlen arrive as zeros. Called by
+    the one thread that issues the copies, after an arrive.expect_tx of tile_bytes(rows,
+    head_dim) on `barrier` (or its share of one)."""
+    COLUMN_BLOCKS = column_blocks(head_dim)
+
+    @cuda.jit(device=True, inline="always")
+    def copy(tile, slot, h, row0, b, barrier):
+        for c in range(COLUMN_BLOCKS):
+            tensor_copy_4d(tile + c * rows * ROW_BYTES, slot, 64 * c, h, row0, b, barrier)
+
+    return copy

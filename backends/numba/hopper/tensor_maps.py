@@ -1,24 +1,38 @@
-"""The host's part of the copy engine for the Hopper kernels: the templates of a call's tensor
+"""The copy engine's tensor maps in the Hopper kernels: on the host, the templates of a call's
 maps (device/intrinsics/tensor_copy.py: everything but the address, encoded once per shape,
-strides and box) and the scratch slots the kernels publish the maps to."""
+strides and box) and the scratch slots a kernel publishes its maps to; on the device, a
+producer warp's making and publishing of them.
+
+A kernel takes up to MAP_COUNT maps in a scratch of its own (the backward's two kernels each
+publish theirs: their boxes differ)."""
 import functools
 import warnings
 
 import numpy as np
 from numba import cuda
 
-from ..device.intrinsics import MAP_WORDS, TensorMapRefused, tensor_map_template
+from ..device.intrinsics import (MAP_WORDS, TensorMapRefused, global_address, map_slot,
+                                 syncwarp, tensor_map_address, tensor_map_publish,
+                                 tensor_map_store, tensor_map_template)
 
-#: the slots of a call's maps (16 words each): q, k and v
-MAP_SLOTS = (3, MAP_WORDS)
-#: the template words of a launch that copies with cp.async (the kernel never reads them)
-NO_TEMPLATES = ((np.uint64(0),) * MAP_WORDS,) * MAP_SLOTS[0]
+#: the maps of one kernel: the forward's q, k, v; each backward kernel's q, dout, k, v
+MAP_COUNT = 4
+#: the slots of one kernel's maps (16 words each)
+MAP_SLOTS = (MAP_COUNT, MAP_WORDS)
+#: a producer warp's shared scratch for its maps: MAP_COUNT of them, aligned to 128 bytes
+#: within (shared_base(scratch, 128))
+SCRATCH_WORDS = (MAP_COUNT + 1) * MAP_WORDS
+
+
+def no_templates(count):
+    """The template words of a launch that copies with cp.async (the kernel never reads them)."""
+    return ((np.uint64(0),) * MAP_WORDS,) * count
 
 
 def map_slots(like):
-    """A scratch array for a call's maps: on the host if `like` is a NumPy array (launches
-    copy those), else a Numba device array (tests and tools; the engine allocates the slots
-    as it does other scratch)."""
+    """A scratch array for the maps of one kernel of a call: on the host if `like` is a NumPy
+    array (launches copy those), else a Numba device array (tests and tools; the engines
+    allocate the slots as they do other scratch)."""
     if isinstance(like, np.ndarray):
         return np.zeros(MAP_SLOTS, np.int64)
     return cuda.device_array(MAP_SLOTS, np.int64)
@@ -44,3 +58,20 @@ def _template(shape, strides, rows):
     except ValueError:
         pass
     return None
+
+
+@cuda.jit(device=True, inline="always")
+def write_map(scratch, index, array, template):
+    """(One lane) map `index` in the warp's shared scratch: the template with the address of
+    `array`."""
+    tensor_map_store(scratch + 128 * index, template)
+    tensor_map_address(scratch + 128 * index, global_address(array, 0, 0, 0, 0))
+
+
+@cuda.jit(device=True, inline="always")
+def publish_maps(scratch, maps, count):
+    """(The whole warp, after write_map of maps 0..count-1 by one lane) the maps copied from
+    the scratch to their global slots, fenced for the copy engine's reads."""
+    syncwarp()
+    for i in range(count):
+        tensor_map_publish(map_slot(maps, i), scratch + 128 * i)

@@ -12,11 +12,14 @@ from numba_flash.backends.numba.hopper.config import HopperBackwardConfig
 # (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, config, options
 # (each case simulates three warpgroups of Python threads through two kernels: a few cases,
 # the variants' rules being the shared device modules', which tests/variants and the GPU
-# variant suite run through these kernels)
+# variant suite run through these kernels; the producers copy with the copy engine but in
+# the varlen case, config.copies_for, and the one marked cp.async)
 SIMULATOR_CASES = [
     ((1, 40, 90, 2, 64), 1, True, "bfloat16", HopperBackwardConfig(32, 32),
      dict(window_left=20, softcap=2.0, alibi=True)),  # GQA, a window, softcap, ALiBi
     ((1, 50, 60, 1, 128), None, True, "float16", HopperBackwardConfig(32, 64), {}),
+    ((1, 50, 60, 1, 128), None, False, "float16",
+     HopperBackwardConfig(32, 64, copy_engine=False), {}),  # cp.async
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperBackwardConfig(32, 32),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)], alibi=True)),  # varlen, empty
     #   sequences; with ALiBi, the dQ kernel's consumers do not take turns
@@ -79,3 +82,28 @@ def test_head_dims_without_a_backward_config_are_refused():
 def test_the_backward_refuses_fewer_than_three_stages():
     with pytest.raises(ValueError, match="needs 3 stages or more"):
         HopperBackwardConfig(32, 64, stages=2)
+
+
+def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
+    """A plain backward through "numba-hopper" encodes the maps of both kernels (q, dout, k,
+    v each, with their boxes), and its producers keep registers the block holds."""
+    import numpy as np
+
+    import numba_flash
+    from numba_flash.backends.numba.hopper import bwd, tensor_maps
+    chosen = []
+
+    def spy(arrays_and_rows):
+        chosen.append(tensor_maps.map_templates(arrays_and_rows))
+        return chosen[-1]
+    monkeypatch.setattr(bwd, "map_templates", spy)
+    q, k, v, dout = (rng.standard_normal((1, 30, 1, 64)).astype(np.float16) for _ in range(4))
+    out, lse = numba_flash.forward(q, k, v, backend="numba-hopper")
+    numba_flash.backward(dout, q, k, v, out, lse, backend="numba-hopper")
+    assert len(chosen) == 1 and chosen[0] is not None and len(chosen[0]) == 8
+    for config in (HopperBackwardConfig(64, 64), HopperBackwardConfig(64, 64, copy_engine=False),
+                   HopperBackwardConfig(16, 32, wide_producer=True)):
+        producer, consumer = config.registers
+        assert 128 * (producer + 2 * consumer) <= 168 * 384
+    assert HopperBackwardConfig(64, 64).registers[1] > HopperBackwardConfig(
+        64, 64, wide_producer=True).registers[1]
