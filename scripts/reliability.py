@@ -7,6 +7,7 @@
     python scripts/reliability.py sanitize-masks     # its masked calls alone
     python scripts/reliability.py sanitize-kvcache   # forward_kvcache's kernels (decode/)
     python scripts/reliability.py sanitize-hopper    # the Hopper (wgmma) kernels (sm_90)
+    python scripts/reliability.py sanitize-hopper-dense     # its dense calls alone
     python scripts/reliability.py sanitize-hopper-variants  # its variant calls alone
     python scripts/reliability.py sanitize-hopper-stages    # their bfloat16 d64 calls alone
     python scripts/reliability.py repeat     # 1,000 forward+backward calls: memory must not grow
@@ -151,12 +152,18 @@ def _on_hopper(mode):
 
 
 def sanitize_hopper(numba_flash, cp, torch):
+    """sanitize-hopper-dense, then sanitize-variants' calls through the Hopper kernels (GQA
+    with a window, softcap and ALiBi, varlen, attention masks, mask_mods). Skipped on GPUs
+    other than sm_90."""
+    return (sanitize_hopper_dense(numba_flash, cp, torch)
+            and sanitize_hopper_variants(numba_flash, cp, torch))
+
+
+def sanitize_hopper_dense(numba_flash, cp, torch):
     """The Hopper kernels (numba-hopper: the wgmma forward, and backward up to D 128) at
     SANITIZE_SHAPES (D 200 runs padded to 256, its backward on the tensor cores), float16
-    and bfloat16, causal and not, each call twice (the second a replay); then
-    sanitize-variants' calls through them (GQA with a window, softcap and ALiBi, varlen,
-    attention masks, mask_mods). Skipped on GPUs other than sm_90."""
-    if not _on_hopper("sanitize-hopper"):
+    and bfloat16, causal and not, each call twice (the second a replay)."""
+    if not _on_hopper("sanitize-hopper-dense"):
         return True
     rng = np.random.default_rng(4)
     calls = 0
@@ -170,8 +177,8 @@ def sanitize_hopper(numba_flash, cp, torch):
                                          backend="numba-hopper")
                     calls += 2
     cp.cuda.Device().synchronize()
-    print(f"sanitize-hopper: {calls} calls done")
-    return sanitize_hopper_variants(numba_flash, cp, torch)
+    print(f"sanitize-hopper-dense: {calls} calls done")
+    return True
 
 
 HOPPER_ENGINES = (("numba-hopper", "float16"), ("numba-hopper", "bfloat16"))
@@ -310,7 +317,8 @@ def jit(numba_flash, cp, torch):
 
 MODES = {"sanitize": sanitize, "sanitize-variants": sanitize_variants,
          "sanitize-masks": sanitize_masks, "sanitize-kvcache": sanitize_kvcache,
-         "sanitize-hopper": sanitize_hopper, "sanitize-hopper-variants": sanitize_hopper_variants,
+         "sanitize-hopper": sanitize_hopper, "sanitize-hopper-dense": sanitize_hopper_dense,
+         "sanitize-hopper-variants": sanitize_hopper_variants,
          "sanitize-hopper-stages": sanitize_hopper_stages,
          "repeat": repeat, "long": long, "jit": jit}
 
