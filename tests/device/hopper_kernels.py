@@ -190,18 +190,20 @@ def pipeline_kernel(src, out):
 
 
 def turns_kernel(log, count):
-    """Two warpgroups taking turns (hopper/turns.py) log.shape[0] // 2 times each: at each
-    turn the warpgroup's first thread writes its number at the next place of the log."""
+    """The block's warpgroups taking turns (hopper/turns.py) log.shape[0] // warpgroups times
+    each: at each turn the warpgroup's first thread writes its number at the next place of
+    the log."""
     tid = cuda.threadIdx.x
     consumer = tid // 128
-    turns = log.shape[0] // 2
-    open_turns(consumer)
+    consumers = cuda.blockDim.x // 128
+    turns = log.shape[0] // consumers
+    open_turns(consumer, consumers)
     for turn in range(turns):
         take_turn(consumer)
         if tid % 128 == 0:
             log[count[0]] = consumer
             count[0] += 1
-        give_turn(consumer, turn == turns - 1)
+        give_turn(consumer, consumers, turn == turns - 1)
 
 
 # (kernel, PTX signature, instructions its PTX must contain), compiled for sm_90a
@@ -218,5 +220,6 @@ PTX_CASES = [
       "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
       "bar.sync 1, 128"]),
     (turns_kernel, "(int32[:], int32[:])",
-     ["bar.sync 1, 256", "bar.sync 2, 256", "bar.arrive 1, 256", "bar.arrive 2, 256"]),
+     ["bar.sync 1, 256", "bar.sync 2, 256", "bar.sync 3, 256", "bar.arrive 1, 256",
+      "bar.arrive 2, 256", "bar.arrive 3, 256"]),
 ]

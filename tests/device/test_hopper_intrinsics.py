@@ -74,14 +74,15 @@ def test_mbarrier_pipeline_streams_every_tile(rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_two_warpgroups_take_turns(mode):
-    """The ping-pong's named barriers alternate the warpgroups, consumer 0 first, and leave
-    no arrival unmatched (a second launch on the same barriers runs the same)."""
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_warpgroups_take_turns(mode, consumers):
+    """The ping-pong's named barriers pass the turn round the warpgroups, consumer 0 first,
+    and leave no arrival unmatched (a second launch on the same barriers runs the same)."""
     _needs_hopper(mode)
     for _ in range(2):
-        log, count = np.full(10, -1, np.int32), np.zeros(1, np.int32)
-        cuda.jit(kernels.turns_kernel)[1, 256](log, count)
-        assert count[0] == 10 and log.tolist() == [0, 1] * 5
+        log, count = np.full(5 * consumers, -1, np.int32), np.zeros(1, np.int32)
+        cuda.jit(kernels.turns_kernel)[1, 128 * consumers](log, count)
+        assert count[0] == 5 * consumers and log.tolist() == list(range(consumers)) * 5
 
 
 @pytest.mark.skipif(not SIMULATED, reason="on a GPU this kernel is a race")

@@ -258,13 +258,13 @@ def hopper_dq_kernel_function(config, spec):
                 # Turn j issues dQ += dS K of visited tile j - 1 and S, dP of visited tile j
                 # (turns.py), then computes tile j's P and dS; a last turn issues the last dQ
                 # product. Each stage is freed after its dQ product (K's last reader).
-                open_turns(consumer)
+                open_turns(consumer, CONSUMERS)
                 tile = next_key_tile(tiles, seq, h, m0, n_begin, 0, n_tiles)
                 j = 0  # the visited tiles so far (as the producer counts them)
                 if tile < n_tiles:
                     take_turn(consumer)
                     issue_scores(s, dp, q_rows, smem_base, bars, 0)
-                    give_turn(consumer, False)
+                    give_turn(consumer, CONSUMERS, False)
                     wait_products(s, dp, dq_acc)
                     while True:
                         n0 = n_begin + tile * BLOCK_N
@@ -277,18 +277,18 @@ def hopper_dq_kernel_function(config, spec):
                         take_turn(consumer)
                         issue_dq(dq_acc, ds, smem_base, j)
                         issue_scores(s, dp, q_rows, smem_base, bars, j + 1)
-                        give_turn(consumer, False)
+                        give_turn(consumer, CONSUMERS, False)
                         wait_products(s, dp, dq_acc)
                         free_stage(bars, tid, j)
                         j += 1
                     take_turn(consumer)
                     issue_dq(dq_acc, ds, smem_base, j)
-                    give_turn(consumer, True)
+                    give_turn(consumer, CONSUMERS, True)
                     wait_products(s, dp, dq_acc)
                     free_stage(bars, tid, j)
                 else:  # (an empty turn: both consumers take as many)
                     take_turn(consumer)
-                    give_turn(consumer, True)
+                    give_turn(consumer, CONSUMERS, True)
             else:  # one tile after the other: S and dP, P and dS, dQ
                 j = 0
                 for tile in range(n_tiles):

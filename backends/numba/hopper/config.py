@@ -5,6 +5,8 @@ from dataclasses import dataclass, replace
 from ..config_table import lookup
 
 WARPGROUP = 128
+#: the consumers that can take turns (turns.py writes out a named barrier for each)
+MAX_TURN_CONSUMERS = 3
 #: registers per thread each role keeps (setmaxnreg) in a block of 2 consumer warpgroups:
 #: the producer gives back what the consumers take, within what the block holds at launch
 #: (launch_registers: launch_bounds=(threads, 1) caps every thread at 65536 / threads).
@@ -13,8 +15,10 @@ WARPGROUP = 128
 REGISTERS = {2: (72, 216)}
 #: with the copy engine one producer thread issues copies (in the backward's dK/dV kernel
 #: its warp also writes each query tile's lse and D): it keeps 40 (at 24 a mask_mod's tile
-#: classes spilled 80 bytes) and the consumers take the rest of the block's 64512
-COPY_ENGINE_REGISTERS = {2: (40, 232)}
+#: classes spilled 80 bytes) and the consumers take the rest of the block's 64512; three
+#: consumers (d64's 192-row tiles) fit in 160 with the producer at 32 (not with a boolean
+#: mask: 8 bytes of spills)
+COPY_ENGINE_REGISTERS = {2: (40, 232), 3: (32, 160)}
 #: the backward's: its producer streams two 16-bit tiles per step with the other two held,
 #: and spilled below 96 at d128, below 104 with every variant (its consumers fit in 200 with
 #: 32-query tiles for dK/dV)
@@ -54,6 +58,9 @@ class _Roles:
     def registers(self):
         """(producer, consumer) registers per thread after setmaxnreg, within the block's
         registers at launch (else the consumers' setmaxnreg.inc would never return)."""
+        if self.consumers not in self.register_table:
+            raise ValueError(f"no register split for {self.consumers} consumers in "
+                             f"{type(self).__name__}(copy_engine={self.copy_engine})")
         producer, consumer = self.register_table[self.consumers]
         if WARPGROUP * (producer + self.consumers * consumer) > launch_registers(self.threads):
             raise ValueError(f"{producer} producer and {consumer} consumer registers a thread "
@@ -76,6 +83,11 @@ class HopperConfig(_Roles):
     turns: bool = True
     copy_engine: bool = True
 
+    def __post_init__(self):
+        if self.turns and self.consumers > MAX_TURN_CONSUMERS:
+            raise ValueError(f"turns take up to {MAX_TURN_CONSUMERS} consumers; got "
+                             f"{self.consumers}")
+
     @property
     def register_table(self):
         return COPY_ENGINE_REGISTERS if self.copy_engine else REGISTERS
@@ -86,9 +98,17 @@ class HopperConfig(_Roles):
 
 
 _HOPPER_FORWARD = (
-    (64, HopperConfig(block_n=128)),
+    (64, HopperConfig(block_n=128, consumers=3)),
     (128, HopperConfig(block_n=128)),
     (256, HopperConfig(block_n=64, turns=False)),  # (P held beside S and O spilled)
+)
+#: with cp.async (varlen, or maps the driver refuses): two consumers (the producer's 128
+#: copying threads keep 72 registers, and three consumers' wgmma had too few in the rest:
+#: ptxas serialised them)
+_HOPPER_FORWARD_CP_ASYNC = (
+    (64, HopperConfig(block_n=128, copy_engine=False)),
+    (128, HopperConfig(block_n=128, copy_engine=False)),
+    (256, HopperConfig(block_n=64, turns=False, copy_engine=False)),
 )
 #: with an attn_mask or a mask_mod (read element by element on partial tiles, on top of every
 #: other variant): the tiles at which no kernel spills (scripts/ptx_check.py --hopper
@@ -98,12 +118,15 @@ _HOPPER_FORWARD_MASKED = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=32)),
 )
-#: with a boolean attn_mask and not both softcap and ALiBi: the plain tiles, which compile
-#: without spills there (a boolean mask costs the consumers a load and a test per element of
-#: a partial tile; a floating one, or a mask_mod's tile tables, more: 148-488 bytes of
-#: spills at block_n 128; a boolean mask with softcap and ALiBi at d128 32-100;
+#: with a boolean attn_mask and not both softcap and ALiBi: the plain tiles of two consumers,
+#: which compile without spills there (a boolean mask costs the consumers a load and a test
+#: per element of a partial tile; a floating one, or a mask_mod's tile tables, more: 148-488
+#: bytes of spills at block_n 128; a boolean mask with softcap and ALiBi at d128 32-100;
 #: docs/KERNEL_NOTES.md, "Masks on the plain Hopper tiles")
-_HOPPER_FORWARD_BOOL_MASKED = _HOPPER_FORWARD[:2]
+_HOPPER_FORWARD_BOOL_MASKED = (
+    (64, HopperConfig(block_n=128)),
+    (128, HopperConfig(block_n=128)),
+)
 
 
 @dataclass(frozen=True)
@@ -194,13 +217,16 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
     return config and copies_for(spec, config)
 
 
-def hopper_forward_config(head_dim, spec):
+def hopper_forward_config(head_dim, spec, copy_engine=True):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
-    None."""
-    table = _HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
+    None; copy_engine=False: the config for cp.async copies."""
+    table = (_HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
+             if copy_engine and not spec.varlen else _HOPPER_FORWARD_CP_ASYNC)
     if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
         table = _HOPPER_FORWARD_BOOL_MASKED
     config = None if head_dim % 16 else lookup(table, head_dim)
+    if config and not copy_engine:
+        return replace(config, copy_engine=False)
     return config and copies_for(spec, config)
 
 

@@ -20,9 +20,9 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     and K K-major), the K stage freed; the score mod, mask and online softmax on S in
     registers (device/fragments.py: the accumulator layout is mma.sync's, 16 rows a warp);
     P packed to 16 bits in registers as wgmma's A fragments; O += P V by BLOCK_N/16 products
-    with A from registers and V MN-major; the V stage freed. The two consumers take turns
-    (turns.py): each issues its P V of one tile and its S of the next together while the other
-    runs its softmax. O and lse leave from registers.
+    with A from registers and V MN-major; the V stage freed. The consumers take turns
+    (turns.py): each issues its P V of one tile and its S of the next together while the
+    others run their softmax. O and lse leave from registers.
   - Tiles wholly masked are not visited (device/block_range.py), the mask runs on partial
     tiles only; a mask_mod's tile table (device/mask_mod.py) narrows the key range, and the
     tiles inside it that no row sees are neither copied nor computed (the producer and the
@@ -281,13 +281,13 @@ def hopper_forward_kernel_function(config, spec):
                 # j (turns.py: the other consumer runs its softmax meanwhile), then runs the
                 # softmax of tile j; a last turn issues the last P V. (No product sits in a
                 # branch of its own: ptxas would serialise every wgmma, warning C7519.)
-                open_turns(consumer)
+                open_turns(consumer, CONSUMERS)
                 tile = next_key_tile(tiles, seq, h, m0, n_begin, 0, n_tiles)
                 j = 0  # the visited tiles so far (as the producer counts them)
                 if tile < n_tiles:
                     take_turn(consumer)
                     issue_scores(s, q_desc, smem_base, bars, 0)
-                    give_turn(consumer, False)
+                    give_turn(consumer, CONSUMERS, False)
                     wait_scores(s, bars, tid, 0)
                     while True:
                         n0 = n_begin + tile * BLOCK_N
@@ -301,17 +301,17 @@ def hopper_forward_kernel_function(config, spec):
                         take_turn(consumer)
                         issue_values(acc, p, smem_base, bars, j)
                         issue_scores(s, q_desc, smem_base, bars, j + 1)
-                        give_turn(consumer, False)
+                        give_turn(consumer, CONSUMERS, False)
                         wait_values(acc, bars, tid, j)
                         wait_scores(s, bars, tid, j + 1)
                         j += 1
                     take_turn(consumer)
                     issue_values(acc, p, smem_base, bars, j)
-                    give_turn(consumer, True)
+                    give_turn(consumer, CONSUMERS, True)
                     wait_values(acc, bars, tid, j)
                 else:  # (an empty turn: both consumers take as many)
                     take_turn(consumer)
-                    give_turn(consumer, True)
+                    give_turn(consumer, CONSUMERS, True)
             else:  # one tile after the other: S, its softmax, P V
                 j = 0
                 for tile in range(n_tiles):
@@ -366,6 +366,7 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
+    chosen = config is None
     config = config or hopper_forward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper forward config for head_dim {head_dim}")
@@ -373,7 +374,8 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     templates = config.copy_engine and map_templates(
         ((q, config.block_m), (k, config.block_n), (v, config.block_n)))
     if not templates:  # (cp.async: the config's choice, or strides the copy engine refuses)
-        config = dataclasses.replace(config, copy_engine=False)
+        config = (hopper_forward_config(head_dim, spec, copy_engine=False) if chosen else
+                  dataclasses.replace(config, copy_engine=False))
         templates = no_templates(3)
     if maps is None:
         maps = map_slots(lse)

@@ -9,7 +9,8 @@ import pytest
 from mma_cases import run_forward
 from mask_mods import document_mask, gapped_mask
 
-from numba_flash.backends.numba.hopper.config import HopperConfig, copies_for
+from numba_flash.backends.numba.hopper.config import (HopperConfig, copies_for,
+                                                      hopper_forward_config)
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
                                                    launch_hopper_forward)
 from numba_flash.backends.numba.hopper.tensor_maps import map_templates
@@ -28,6 +29,8 @@ SIMULATOR_CASES = [
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperConfig(32),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences (cp.async)
     ((2, 70, 50, 2, 64), 1, True, "float16", HopperConfig(32, copy_engine=False), {}),
+    ((1, 200, 150, 1, 64), None, True, "bfloat16", HopperConfig(64, consumers=3), {}),  # d64's
+    #                          three consumers taking turns round a ring, two query tiles
 ]
 
 # masks: mask_mods, gapped_mask's tile table leaving an empty key tile inside each head's key
@@ -107,6 +110,16 @@ def test_the_copy_engine_takes_what_it_can_read():
     assert map_templates(((q, 128), (odd, 64), (q, 64))) is None
     assert not copies_for(AttentionSpec(64, "float16", varlen=True), config).copy_engine
     assert copies_for(AttentionSpec(64, "float16"), config).copy_engine
+    # (d64's three consumers come with the copy engine only: the table of cp.async has two)
+    for head_dim in (64, 128, 256):
+        dense = hopper_forward_config(head_dim, AttentionSpec(head_dim, "float16"))
+        varlen = hopper_forward_config(head_dim, AttentionSpec(head_dim, "float16",
+                                                               varlen=True))
+        refused = hopper_forward_config(head_dim, AttentionSpec(head_dim, "float16"),
+                                        copy_engine=False)
+        assert dense.copy_engine and not varlen.copy_engine and not refused.copy_engine
+        assert varlen.consumers == refused.consumers == 2 and varlen.registers
+    assert hopper_forward_config(64, AttentionSpec(64, "float16")).consumers == 3
 
 
 def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
@@ -115,9 +128,10 @@ def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
     the simulator cannot show), so the config refuses it."""
     from numba_flash.backends.numba.hopper import config as hopper_config
     for config in (HopperConfig(64), HopperConfig(64, copy_engine=False),
-                   hopper_config.HopperBackwardConfig(64, 64)):
+                   HopperConfig(128, consumers=3), hopper_config.HopperBackwardConfig(64, 64)):
         producer, consumer = config.registers
-        assert 128 * (producer + 2 * consumer) <= 168 * 384
+        assert 128 * (producer + config.consumers * consumer) <= 65536 // config.threads * \
+            config.threads
     monkeypatch.setitem(hopper_config.COPY_ENGINE_REGISTERS, 2, (32, 240))
     with pytest.raises(ValueError, match="exceed the 64512 a block of 384 threads holds"):
         HopperConfig(64).registers
