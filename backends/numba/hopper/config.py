@@ -102,14 +102,6 @@ _HOPPER_FORWARD = (
     (128, HopperConfig(block_n=128)),
     (256, HopperConfig(block_n=64, turns=False)),  # (P held beside S and O spilled)
 )
-#: with cp.async (varlen, or maps the driver refuses): two consumers (the producer's 128
-#: copying threads keep 72 registers, and three consumers' wgmma had too few in the rest:
-#: ptxas serialised them)
-_HOPPER_FORWARD_CP_ASYNC = (
-    (64, HopperConfig(block_n=128, copy_engine=False)),
-    (128, HopperConfig(block_n=128, copy_engine=False)),
-    (256, HopperConfig(block_n=64, turns=False, copy_engine=False)),
-)
 #: with an attn_mask or a mask_mod (read element by element on partial tiles, on top of every
 #: other variant): the tiles at which no kernel spills (scripts/ptx_check.py --hopper
 #: --variants; the plain table's spilled up to 232 bytes, or kept the scores in local memory).
@@ -127,6 +119,10 @@ _HOPPER_FORWARD_BOOL_MASKED = (
     (64, HopperConfig(block_n=128)),
     (128, HopperConfig(block_n=128)),
 )
+#: with cp.async (varlen, or maps the driver refuses; hopper_forward_config clears
+#: copy_engine): two consumers, since the producer's 128 copying threads keep 72 registers
+#: and three consumers' wgmma had too few in the rest (ptxas serialised them)
+_HOPPER_FORWARD_CP_ASYNC = _HOPPER_FORWARD_BOOL_MASKED + _HOPPER_FORWARD[2:]
 
 
 @dataclass(frozen=True)
