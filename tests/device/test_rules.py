@@ -9,8 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba import cuda
+
 from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
-                                                           make_block_range)
+                                                           make_block_range,
+                                                           make_query_tile_start)
 from numba_flash.backends.numba.device.constants import LOG2E
 from numba_flash.backends.numba.device.mask import make_mask
 from numba_flash.backends.numba.device.score_mod import make_score_mod
@@ -84,6 +87,41 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
         for m0 in range(0, seqlen_q, block_m):
             seen = truth[m0:m0 + block_m, n0:n0 + block_n].any()
             assert (m_begin <= m0 < m_end) == seen, (m0, n0)
+
+
+def _query_tile_starts(spec, block_m, from_end, seqlen_q):
+    """The first row of each block's query tile, from a grid of ceil(seqlen_q / block_m)."""
+    query_tile_start = make_query_tile_start(spec, block_m, from_end)
+
+    @cuda.jit
+    def starts(out):
+        out[cuda.blockIdx.x] = query_tile_start(seqlen_q)
+
+    out = np.full(-(-seqlen_q // block_m), -10**6, np.int64)
+    starts[out.size, 1](out)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(**SIZES, from_end=st.booleans())
+def test_query_tiles_cover_every_row_once_and_see_all_their_keys(seqlen_q, seqlen_k, block_m,
+                                                                 block_n, causal, window,
+                                                                 from_end):
+    """Laid from the end of Q (causal alone, from_end) or from row 0, the tiles cover each
+    row once, the longest first, and the key range of a tile that starts below row 0 still
+    holds every key its rows inside Q see."""
+    spec = _spec(causal, window)
+    starts = _query_tile_starts(spec, block_m, from_end, seqlen_q)
+    causal_alone = spec.window_right >= 0 and spec.window_left < 0
+    first = seqlen_q - starts.size * block_m if from_end and causal_alone else 0
+    expected = range(first, seqlen_q, block_m)
+    assert list(starts) == list(expected)[::-1 if causal_alone else 1]
+    key_range = make_block_range(spec, block_m, block_n)[0]
+    truth = _truth(spec, seqlen_q, seqlen_k)
+    for m0 in starts:
+        n_begin, n_end = key_range(m0, seqlen_q, seqlen_k)
+        seen = np.flatnonzero(truth[max(0, m0):m0 + block_m].any(axis=0))
+        assert seen.size == 0 or (n_begin <= seen[0] and seen[-1] < n_end), (m0, seen)
 
 
 @pytest.mark.parametrize("causal", [False, True])

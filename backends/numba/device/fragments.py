@@ -156,7 +156,8 @@ def make_pack_chunk(bf16):
 def make_fragment_store(bf16, db_count):
     """store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
     rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from slice sl of
-    an accumulator, times the row's scale; rows at or past nrows are not written."""
+    an accumulator, times the row's scale; rows below 0 (a tile laid from the end of its
+    sequence, block_range.make_query_tile_start) or at or past nrows are not written."""
     pack = _pack(bf16)
 
     @cuda.jit(device=True, inline="always")
@@ -165,7 +166,7 @@ def make_fragment_store(bf16, db_count):
         for half in range(2):
             row = row_lo + 8 * half
             scale = scale_hi if half else scale_lo
-            if row < nrows:
+            if 0 <= row < nrows:
                 for db in range(db_count):
                     word = pack(acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale)
                     dst[b, row, h, col0 + 8 * db + 2 * t] = uint16(word & 0xFFFF)

@@ -26,7 +26,9 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
   - Tiles wholly masked are not visited (device/block_range.py), the mask runs on partial
     tiles only; a mask_mod's tile table (device/mask_mod.py) narrows the key range, and the
     tiles inside it that no row sees are neither copied nor computed (the producer and the
-    consumers skip the same ones, so the pipeline's stages count visited tiles); GQA: the
+    consumers skip the same ones, so the pipeline's stages count visited tiles). Under causal
+    the copy engine's query tiles are laid from the end of Q: the one that overhangs is the
+    first, whose rows below 0 arrive as zeros and are not stored. GQA: the
     block of query head h reads key/value head h // group; varlen: grid.z runs over the
     packed sequences (device/sequence.py).
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
@@ -38,7 +40,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range
+from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_query_tile_start
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
 from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor,
@@ -94,7 +96,12 @@ def hopper_forward_kernel_function(config, spec):
     softmax_step = make_tile_softmax(spec, NB, DB)
     pack_chunk = make_pack_chunk(spec.bf16)
     store = make_fragment_store(spec.bf16, DB)
-    key_range, _, _, is_partial, query_tile_index = make_block_range(spec, BLOCK_M, BLOCK_N)
+    key_range, _, _, is_partial, _ = make_block_range(spec, BLOCK_M, BLOCK_N)
+    # The copy engine reads rows below 0 as zeros: under causal its tiles are laid from the
+    # end of Q (a mask_mod's tile tables and an attn_mask are indexed from row 0).
+    query_tile_start = make_query_tile_start(spec, BLOCK_M, COPY_ENGINE and not spec.varlen
+                                             and spec.mask_mod is None
+                                             and spec.attn_mask is None)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     next_key_tile = make_next_key_tile(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
@@ -216,11 +223,11 @@ def hopper_forward_kernel_function(config, spec):
                              mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
-        m0 = query_tile_index() * BLOCK_M
         h = cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
         seq = cuda.blockIdx.z
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
+        m0 = query_tile_start(seqlen_q)
         if VARLEN and m0 >= seqlen_q:
             return  # (the grid is sized for the longest sequence; the whole block leaves)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
@@ -334,7 +341,7 @@ def hopper_forward_kernel_function(config, spec):
                 for mask in (1, 2):
                     l_row += shfl_xor(l_row, mask)
                 inv_l[half], lse_row = finalize(l_row, m_i[0, half])
-                if lane % 4 == 0 and row_lo + 8 * half < seqlen_q:
+                if lane % 4 == 0 and 0 <= row_lo + 8 * half < seqlen_q:
                     lse[b, h, q_start + row_lo + 8 * half] = lse_row
             store(out, acc, 0, b, q_start + row_lo, h, 0, q_start + seqlen_q, inv_l[0],
                   inv_l[1])
