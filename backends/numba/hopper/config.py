@@ -110,6 +110,13 @@ _HOPPER_FORWARD_MASKED = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=32)),
 )
+#: with a mask_mod, no attn_mask and the copy engine: at d128 64-key tiles, where a mask_mod
+#: with every other variant but varlen compiles clean (a floating mask spilled 8 bytes there,
+#: cp.async's 216 consumer registers 64; at d64 128 keys spilled 48 with softcap and GQA)
+_HOPPER_FORWARD_MASK_MOD = (
+    (64, HopperConfig(block_n=64)),
+    (128, HopperConfig(block_n=64)),
+)
 #: with a boolean attn_mask and not both softcap and ALiBi: the plain tiles of two consumers,
 #: which compile without spills there (a boolean mask costs the consumers a load and a test
 #: per element of a partial tile; a floating one, or a mask_mod's tile tables, more: 148-488
@@ -171,6 +178,12 @@ _HOPPER_BACKWARD_MASKED = (
     (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
     (128, HopperBackwardConfig(block_m=16, block_n=32, wide_producer=True)),
 )
+#: with a mask_mod, no attn_mask and the copy engine: d128's dQ on 64-key tiles (a floating
+#: mask's spilled 68 bytes there); dK/dV's 32-query tiles spilled 288-360 bytes
+_HOPPER_BACKWARD_MASK_MOD = (
+    (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
+    (128, HopperBackwardConfig(block_m=16, block_n=64, wide_producer=True)),
+)
 
 
 def column_blocks(head_dim):
@@ -198,15 +211,24 @@ def hopper_backward_shared_bytes(config, head_dim):
             fixed + 2 * config.stages * tile_bytes(config.block_n, head_dim))
 
 
-def _masked(spec):
-    return spec.attn_mask is not None or spec.mask_mod is not None
+def _table(spec, copy_engine, tables):
+    """The table of a call from (plain, cp_async, masked, mask_mod): an attn_mask's (also
+    beside a mask_mod); a mask_mod's on the copy engine (with cp.async its consumers keep
+    fewer registers: the masked table); else by how the tiles are copied."""
+    plain, cp_async, masked, mask_mod = tables
+    copy_engine = copy_engine and not spec.varlen
+    if spec.attn_mask is not None or (spec.mask_mod is not None and not copy_engine):
+        return masked
+    if spec.mask_mod is not None:
+        return mask_mod
+    return plain if copy_engine else cp_async
 
 
 def hopper_backward_config(head_dim, spec, copy_engine=True):
     """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None;
     copy_engine=False: the config for cp.async copies."""
-    table = (_HOPPER_BACKWARD_MASKED if _masked(spec) else _HOPPER_BACKWARD
-             if copy_engine and not spec.varlen else _HOPPER_BACKWARD_CP_ASYNC)
+    table = _table(spec, copy_engine, (_HOPPER_BACKWARD, _HOPPER_BACKWARD_CP_ASYNC,
+                                       _HOPPER_BACKWARD_MASKED, _HOPPER_BACKWARD_MASK_MOD))
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
         return replace(config, copy_engine=False)
@@ -216,8 +238,8 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
 def hopper_forward_config(head_dim, spec, copy_engine=True):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
     None; copy_engine=False: the config for cp.async copies."""
-    table = (_HOPPER_FORWARD_MASKED if _masked(spec) else _HOPPER_FORWARD
-             if copy_engine and not spec.varlen else _HOPPER_FORWARD_CP_ASYNC)
+    table = _table(spec, copy_engine, (_HOPPER_FORWARD, _HOPPER_FORWARD_CP_ASYNC,
+                                       _HOPPER_FORWARD_MASKED, _HOPPER_FORWARD_MASK_MOD))
     if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
         table = _HOPPER_FORWARD_BOOL_MASKED
     config = None if head_dim % 16 else lookup(table, head_dim)

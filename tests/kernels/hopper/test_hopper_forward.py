@@ -122,6 +122,29 @@ def test_the_copy_engine_takes_what_it_can_read():
     assert hopper_forward_config(64, AttentionSpec(64, "float16")).consumers == 3
 
 
+def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
+    """A mask_mod's kernels compile clean on d128 64-key tiles only with the copy engine's
+    consumer registers; with cp.async (varlen, refused maps), or an attn_mask beside it,
+    they keep the masked table's narrower tiles (those take every variant without spills)."""
+    from numba_flash.backends.numba.hopper.config import hopper_backward_config
+    for head_dim in (64, 128):
+        spec = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask)
+        masked = AttentionSpec(head_dim, "float16", causal=True, attn_mask="float16")
+        both = AttentionSpec(head_dim, "float16", causal=True, attn_mask="float16",
+                             mask_mod=document_mask)
+        varlen = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
+                               varlen=True)
+        for config_of, width in ((hopper_forward_config, "block_n"),
+                                 (hopper_backward_config, "block_n")):
+            narrow = getattr(config_of(head_dim, masked), width)
+            assert getattr(config_of(head_dim, both), width) == narrow
+            assert getattr(config_of(head_dim, varlen), width) == narrow
+            assert getattr(config_of(head_dim, spec, copy_engine=False), width) == narrow
+            assert config_of(head_dim, spec).copy_engine
+            wide = getattr(config_of(head_dim, spec), width)
+            assert wide == 64 and (wide > narrow) == (head_dim == 128)
+
+
 def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
     """setmaxnreg moves registers within what a block holds at launch (168 a thread for 384
     threads): a split that asks more would leave the consumers' inc waiting for ever (a hang
