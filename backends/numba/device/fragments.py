@@ -156,8 +156,9 @@ def make_pack_chunk(bf16):
 def make_fragment_store(bf16, db_count):
     """store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
     rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from slice sl of
-    an accumulator, times the row's scale; rows below 0 (a tile laid from the end of its
-    sequence, block_range.make_query_tile_start) or at or past nrows are not written."""
+    an accumulator, times the row's scale; array rows below 0 (a tile laid from the end of
+    Q, block_range.make_query_tile_start; never varlen) or at or past nrows are not
+    written."""
     pack = _pack(bf16)
 
     @cuda.jit(device=True, inline="always")

@@ -102,17 +102,19 @@ _HOPPER_FORWARD = (
     (128, HopperConfig(block_n=128)),
     (256, HopperConfig(block_n=64, turns=False)),  # (P held beside S and O spilled)
 )
-#: with an attn_mask or a mask_mod (read element by element on partial tiles, on top of every
-#: other variant): the tiles at which no kernel spills (scripts/ptx_check.py --hopper
-#: --variants; the plain table's spilled up to 232 bytes, or kept the scores in local memory).
+#: with an attn_mask, or a mask_mod with cp.async (read element by element on partial tiles,
+#: on top of every other variant): the tiles at which no kernel spills (scripts/ptx_check.py
+#: --hopper --variants; the plain table's spilled up to 232 bytes, or kept the scores in
+#: local memory).
 #: At d256 they would be 16 keys wide: those calls go to the mma.sync kernels.
 _HOPPER_FORWARD_MASKED = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=32)),
 )
 #: with a mask_mod, no attn_mask and the copy engine: at d128 64-key tiles, where a mask_mod
-#: with every other variant but varlen compiles clean (a floating mask spilled 8 bytes there,
-#: cp.async's 216 consumer registers 64; at d64 128 keys spilled 48 with softcap and GQA)
+#: compiles clean with causal, softcap and GQA (ptx_check's spec; once also with ALiBi and a
+#: window: docs/KERNEL_NOTES.md) while a floating mask spilled 8 bytes and cp.async's 216
+#: consumer registers 64; at d64 128 keys spilled 48 with softcap and GQA
 _HOPPER_FORWARD_MASK_MOD = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=64)),
@@ -172,14 +174,15 @@ _HOPPER_BACKWARD_CP_ASYNC = (
     (64, HopperBackwardConfig(block_m=64, block_n=64, copy_engine=False)),
     (128, HopperBackwardConfig(block_m=32, block_n=64, copy_engine=False)),
 )
-#: with an attn_mask or a mask_mod (as _HOPPER_FORWARD_MASKED; the plain table's dK/dV spilled
-#: up to 456 bytes, its dQ 112)
+#: with an attn_mask, or a mask_mod with cp.async (as _HOPPER_FORWARD_MASKED; the plain
+#: table's dK/dV spilled up to 456 bytes, its dQ 112)
 _HOPPER_BACKWARD_MASKED = (
     (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
     (128, HopperBackwardConfig(block_m=16, block_n=32, wide_producer=True)),
 )
 #: with a mask_mod, no attn_mask and the copy engine: d128's dQ on 64-key tiles (a floating
-#: mask's spilled 68 bytes there); dK/dV's 32-query tiles spilled 288-360 bytes
+#: mask's spilled 68 bytes there; with cp.async it compiled clean for varlen too, but keeps
+#: the masked table beside the forward's); dK/dV's 32-query tiles spilled 288-360 bytes
 _HOPPER_BACKWARD_MASK_MOD = (
     (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
     (128, HopperBackwardConfig(block_m=16, block_n=64, wide_producer=True)),
@@ -213,8 +216,9 @@ def hopper_backward_shared_bytes(config, head_dim):
 
 def _table(spec, copy_engine, tables):
     """The table of a call from (plain, cp_async, masked, mask_mod): an attn_mask's (also
-    beside a mask_mod); a mask_mod's on the copy engine (with cp.async its consumers keep
-    fewer registers: the masked table); else by how the tiles are copied."""
+    beside a mask_mod); a mask_mod's on the copy engine (with cp.async the forward's consumers
+    keep fewer registers, and both kernels keep the masked table); else by how the tiles are
+    copied."""
     plain, cp_async, masked, mask_mod = tables
     copy_engine = copy_engine and not spec.varlen
     if spec.attn_mask is not None or (spec.mask_mod is not None and not copy_engine):

@@ -27,8 +27,9 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     tiles only; a mask_mod's tile table (device/mask_mod.py) narrows the key range, and the
     tiles inside it that no row sees are neither copied nor computed (the producer and the
     consumers skip the same ones, so the pipeline's stages count visited tiles). Under causal
-    the copy engine's query tiles are laid from the end of Q: the one that overhangs is the
-    first, whose rows below 0 arrive as zeros and are not stored. GQA: the
+    alone (no window, mask_mod or attn_mask; not varlen) the copy engine's query tiles are
+    laid from the end of Q: the one that overhangs is the first, whose rows below 0 arrive
+    as zeros and are not stored. GQA: the
     block of query head h reads key/value head h // group; varlen: grid.z runs over the
     packed sequences (device/sequence.py).
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
