@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
-                                                           make_block_range,
+                                                           longest_last, make_block_range,
                                                            make_query_tile_start)
 from numba_flash.backends.numba.device.constants import LOG2E
 from numba_flash.backends.numba.device.mask import make_mask
@@ -112,7 +112,7 @@ def test_query_tiles_cover_every_row_once_and_see_all_their_keys(seqlen_q, seqle
     holds every key its rows inside Q see."""
     spec = _spec(causal, window)
     starts = _query_tile_starts(spec, block_m, from_end, seqlen_q)
-    causal_alone = spec.window_right >= 0 and spec.window_left < 0
+    causal_alone = longest_last(spec)
     first = seqlen_q - starts.size * block_m if from_end and causal_alone else 0
     expected = range(first, seqlen_q, block_m)
     assert list(starts) == list(expected)[::-1 if causal_alone else 1]

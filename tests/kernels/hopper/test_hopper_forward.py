@@ -10,6 +10,7 @@ from mma_cases import run_forward
 from mask_mods import document_mask, gapped_mask
 
 from numba_flash.backends.numba.hopper.config import (HopperConfig, copies_for,
+                                                      hopper_backward_config,
                                                       hopper_forward_config)
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
                                                    launch_hopper_forward)
@@ -126,7 +127,6 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
     """A mask_mod's kernels compile clean on d128 64-key tiles only with the copy engine's
     consumer registers; with cp.async (varlen, refused maps), or an attn_mask beside it,
     they keep the masked table's narrower tiles (those take every variant without spills)."""
-    from numba_flash.backends.numba.hopper.config import hopper_backward_config
     for head_dim in (64, 128):
         spec = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask)
         masked = AttentionSpec(head_dim, "float16", causal=True, attn_mask="float16")
@@ -134,14 +134,13 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
                              mask_mod=document_mask)
         varlen = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
                                varlen=True)
-        for config_of, width in ((hopper_forward_config, "block_n"),
-                                 (hopper_backward_config, "block_n")):
-            narrow = getattr(config_of(head_dim, masked), width)
-            assert getattr(config_of(head_dim, both), width) == narrow
-            assert getattr(config_of(head_dim, varlen), width) == narrow
-            assert getattr(config_of(head_dim, spec, copy_engine=False), width) == narrow
+        for config_of in (hopper_forward_config, hopper_backward_config):  # (dQ: block_n)
+            narrow = config_of(head_dim, masked).block_n
+            assert config_of(head_dim, both).block_n == narrow
+            assert config_of(head_dim, varlen).block_n == narrow
+            assert config_of(head_dim, spec, copy_engine=False).block_n == narrow
             assert config_of(head_dim, spec).copy_engine
-            wide = getattr(config_of(head_dim, spec), width)
+            wide = config_of(head_dim, spec).block_n
             assert wide == 64 and (wide > narrow) == (head_dim == 128)
 
 
