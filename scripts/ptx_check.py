@@ -19,7 +19,7 @@ failure there (C7508: register reallocation ignored; C7515: wgmma serialised).
 once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
 takes), named "variants"; with a floating attn_mask instead of varlen, named "masked"
 (MASKED); and of a document mask_mod with causal, softcap and GQA, named "mask_mod"
-(MASK_MODDED).
+(MASK_MODDED; for the Hopper family also without GQA, "mask_mod_mha").
 """
 import argparse
 import glob
@@ -130,6 +130,8 @@ BOOL_MASKED = dict(MASKED, alibi=False)
 #: a document mask_mod with causal, softcap and GQA (Gemma 2's variants; with every variant
 #: at once the dK/dV kernels spill: docs/KERNEL_NOTES.md, "mask_mod")
 MASK_MODDED = dict(causal=True, softcap=30.0, group=4, mask_mod=document_mask)
+#: the same without GQA: the Hopper backward takes wider dK/dV tiles there (hopper/config.py)
+MASK_MODDED_MHA = dict(MASK_MODDED, group=1)
 
 
 def mask_type(dtype):
@@ -254,13 +256,23 @@ MAPS, BACKWARD_MAPS = ("int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)",
                        "int64[:, ::1], UniTuple(UniTuple(uint64, 16), 4)")
 
 
+def _hopper_specs(head_dim, dtype, variants):
+    """_specs, and with variants the mask_mod's without GQA ("mask_mod_mha")."""
+    yield from _specs(head_dim, dtype, variants)
+    if variants:
+        for kind, spec, extras in _specs(head_dim, dtype, variants):
+            if kind == "mask_mod":
+                yield ("mask_mod_mha", AttentionSpec(head_dim=head_dim, dtype=dtype,
+                                                     **MASK_MODDED_MHA), extras)
+
+
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
     """The Hopper family's forward and backward (dK/dV, dQ) for every head dim they have a
-    config for, as _specs gives them, with (dynamic shared bytes, launch bounds)."""
+    config for, as _hopper_specs gives them, with (dynamic shared bytes, launch bounds)."""
     u4 = "uint16[:, :, :, :]"
     for head_dim in head_dims:
         for dtype in dtypes:
-            for kind, spec, extras in _specs(head_dim, dtype, variants):
+            for kind, spec, extras in _hopper_specs(head_dim, dtype, variants):
                 config = hopper_forward_config(head_dim, spec)
                 if config is None:
                     continue

@@ -131,7 +131,8 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
         for kind in ("dk_dv", "dq"):
             assert f"hopper_bwd_{kind}_d{head_dim}_causal_f16" in found
             assert found[f"hopper_bwd_{kind}_d{head_dim}_full_f16"]["wgmma.mma_async"] > 0
-    for variants in ("variants", "masked", "mask_mod"):  # (masks: their smaller tiles)
+    # (masks: their smaller tiles; a mask_mod without GQA: wider dK/dV tiles than with it)
+    for variants in ("variants", "masked", "mask_mod", "mask_mod_mha"):
         for kernel in ("forward", "bwd_dk_dv", "bwd_dq"):
             assert f"hopper_{kernel}_d128_{variants}_bf16" in found
     # a boolean mask on the forward's plain tiles and turns (hopper/config.py): as many

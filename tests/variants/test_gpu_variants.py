@@ -32,6 +32,8 @@ CASES = [
      dict(mask="bool", softcap=20.0, window_size=(200, 100))),
     ("document-mask-mod-causal-gqa2", (2, 1000, 1000, 4, 2, 128),
      dict(mask_mod="document", causal=True)),
+    ("document-mask-mod-softcap-causal", (1, 1100, 1100, 4, 4, 128),
+     dict(mask_mod="document", causal=True, softcap=20.0)),  # (no GQA: Hopper's wider dK/dV)
     ("striped-mask-mod-softcap-d64", (1, 700, 900, 4, 4, 64),
      dict(mask_mod="striped", softcap=20.0)),
     ("document-block-mask-window", (1, 1200, 1200, 2, 1, 128),

@@ -10,7 +10,7 @@ tiles skip the element predicate (mask.py). The ranges are in rows: a kernel loo
 """
 import functools
 
-from numba import cuda
+from numba import cuda, int32, uint32
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -150,7 +150,8 @@ def make_group_walk(spec, block_m):
     def walk_position(step, m_begin, span):
         if group == 1:
             return 0, step
-        head = (step - m_begin) // span
+        # (in 32 bits: a 64-bit division each step held registers the dK/dV consumers lack)
+        head = int32(uint32(step - m_begin) // uint32(span))
         return head, step - head * span
 
     return group_walk, walk_position

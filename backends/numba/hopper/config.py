@@ -180,10 +180,16 @@ _HOPPER_BACKWARD_MASKED = (
     (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
     (128, HopperBackwardConfig(block_m=16, block_n=32, wide_producer=True)),
 )
-#: with a mask_mod, no attn_mask and the copy engine: d128's dQ on 64-key tiles (a floating
-#: mask's spilled 68 bytes there; with cp.async it compiled clean for varlen too, but keeps
-#: the masked table beside the forward's); dK/dV's 32-query tiles spilled 288-360 bytes
+#: with a mask_mod, no attn_mask, no GQA and the copy engine: d128's dQ on 64-key tiles (a
+#: floating mask's spilled 68 bytes there; with cp.async it compiled clean for varlen too, but
+#: keeps the masked table beside the forward's), dK/dV on twice the masked table's query
+#: tiles, the producer lean (with the wide one, dK/dV's 32-query tiles spilled 288-360 bytes)
 _HOPPER_BACKWARD_MASK_MOD = (
+    (64, HopperBackwardConfig(block_m=64, block_n=64)),
+    (128, HopperBackwardConfig(block_m=32, block_n=64)),
+)
+#: the same with GQA: the lean producer, walking the group's heads, spilled 104-120 bytes
+_HOPPER_BACKWARD_MASK_MOD_GQA = (
     (64, HopperBackwardConfig(block_m=32, block_n=64, wide_producer=True)),
     (128, HopperBackwardConfig(block_m=16, block_n=64, wide_producer=True)),
 )
@@ -231,8 +237,9 @@ def _table(spec, copy_engine, tables):
 def hopper_backward_config(head_dim, spec, copy_engine=True):
     """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None;
     copy_engine=False: the config for cp.async copies."""
+    mask_mod = _HOPPER_BACKWARD_MASK_MOD if spec.group == 1 else _HOPPER_BACKWARD_MASK_MOD_GQA
     table = _table(spec, copy_engine, (_HOPPER_BACKWARD, _HOPPER_BACKWARD_CP_ASYNC,
-                                       _HOPPER_BACKWARD_MASKED, _HOPPER_BACKWARD_MASK_MOD))
+                                       _HOPPER_BACKWARD_MASKED, mask_mod))
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
         return replace(config, copy_engine=False)

@@ -126,7 +126,8 @@ def test_the_copy_engine_takes_what_it_can_read():
 def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
     """A mask_mod's kernels compile clean on d128 64-key tiles only with the copy engine's
     consumer registers; with cp.async (varlen, refused maps), or an attn_mask beside it,
-    they keep the masked table's narrower tiles (those take every variant without spills)."""
+    they keep the masked table's narrower tiles (those take every variant without spills).
+    Without GQA its dK/dV kernel takes wider query tiles."""
     for head_dim in (64, 128):
         spec = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask)
         masked = AttentionSpec(head_dim, "float16", causal=True, attn_mask="float16")
@@ -142,6 +143,14 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
             assert config_of(head_dim, spec).copy_engine
             wide = config_of(head_dim, spec).block_n
             assert wide == 64 and (wide > narrow) == (head_dim == 128)
+        # dK/dV: twice the masked table's query tiles without GQA (the lean producer spilled
+        # walking a group's heads)
+        gqa = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask, group=4)
+        masked_rows = hopper_backward_config(head_dim, masked).block_m
+        assert hopper_backward_config(head_dim, gqa).block_m == masked_rows
+        assert hopper_backward_config(head_dim, spec).block_m == 2 * masked_rows
+        assert hopper_backward_config(head_dim, gqa).wide_producer
+        assert not hopper_backward_config(head_dim, spec).wide_producer
 
 
 def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
