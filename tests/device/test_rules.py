@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mask_mods import striped_mask
 
 from numba import cuda
 
@@ -15,7 +16,8 @@ from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
                                                            longest_last, make_block_range,
                                                            make_query_tile_start)
 from numba_flash.backends.numba.device.constants import LOG2E
-from numba_flash.backends.numba.device.mask import make_mask
+from numba_flash.backends.numba.device.mask import (MASK_ALL, MASK_BOUNDS, MASK_NONE,
+                                                    make_mask, tile_mask)
 from numba_flash.backends.numba.device.score_mod import make_score_mod
 from numba_flash.backends.numba.device.softmax import (finalize, grad_score, lse_log2,
                                                        online_update, probability)
@@ -49,7 +51,8 @@ def test_mask_is_the_reference_mask(seqlen_q, seqlen_k, block_m, block_n, causal
     seen = make_mask(spec)
     truth = _truth(spec, seqlen_q, seqlen_k)
     offset = seqlen_k - seqlen_q
-    got = np.array([[seen(i, j, seqlen_k, offset, NO_MASK) for j in range(seqlen_k + block_n)]
+    got = np.array([[seen(i, j, seqlen_k, offset, NO_MASK, True)
+                     for j in range(seqlen_k + block_n)]
                     for i in range(seqlen_q)])
     assert np.array_equal(got[:, :seqlen_k], truth)
     assert not got[:, seqlen_k:].any()  # the zero-filled tail of the last key tile
@@ -255,8 +258,25 @@ def test_a_bool_mask_hides_what_it_says_and_everything_outside_the_bounds(rng):
     seen = make_mask(window, key_bound=False)
     offset = 6 - 4
     truth = _truth(window, 4, 6) & mask[0, 1]
-    got = np.array([[seen(i, j, 6, offset, (mask, 0, 1, ())) for j in range(8)] for i in range(6)])
+    got = np.array([[seen(i, j, 6, offset, (mask, 0, 1, ()), True) for j in range(8)]
+                    for i in range(6)])
     assert np.array_equal(got[:4, :6], truth)
     assert not got[4:].any() and not got[:, 6:].any()  # (rows, keys past the ends: not read)
     partial = make_block_range(window, 4, 4)[3]
     assert partial(0, 0, 4, 6)  # every tile of a masked call is partial
+
+
+def test_a_tile_mask_mod_sees_whole_skips_its_predicate():
+    """tile_mask: nothing on a tile no bound cuts and mask_mod sees whole (FULL), the bounds
+    alone where they cut it, mask_mod too where mask_mod cuts (PARTIAL) or hides it; and
+    visible asks mask_mod only when told to."""
+    for bounds in (False, True):
+        assert tile_mask(bounds, PARTIAL) == tile_mask(bounds, EMPTY) == MASK_ALL
+    assert tile_mask(False, FULL) == MASK_NONE and tile_mask(True, FULL) == MASK_BOUNDS
+    seen = make_mask(AttentionSpec(16, "float32", causal=True, mask_mod=striped_mask))
+    causal = _truth(_spec(True, (-1, -1)), 40, 40)
+    stripes = np.array([[striped_mask(1, 0, i, j) for j in range(40)] for i in range(40)])
+    for with_mod, want in ((False, causal), (True, causal & stripes)):
+        got = np.array([[seen(i, j, 40, 0, (None, 1, 0, ()), with_mod) for j in range(40)]
+                        for i in range(40)])
+        assert np.array_equal(got, want), with_mod

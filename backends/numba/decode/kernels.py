@@ -312,7 +312,7 @@ def decode_kernel(spec, paged, async_copy, shape):
                     if SCORE_MOD:
                         s = modified_score(s, pre, head_slope(alibi_slopes, b, h), t_row, key,
                                            offset, seqlen_k, mask_at)
-                    if key >= n_end or not visible(t_row, key, seqlen_k, offset, mask_at):
+                    if key >= n_end or not visible(t_row, key, seqlen_k, offset, mask_at, True):
                         s = NEG_INF
                 # Rescale: the row max over the warp; P into the row's shared slots.
                 m_i[i], m_ref, alpha = online_update(m_i[i], warp_max(s) * tile_scale)

@@ -162,7 +162,7 @@ def decode_kernel(spec, paged, stages):
                         x = modified_score(x, pre, slopes[half], tokens[half], key, offset,
                                            seqlen_k, mask_at)
                     if not (live[half]
-                            and visible(tokens[half], key, seqlen_k, offset, mask_at)):
+                            and visible(tokens[half], key, seqlen_k, offset, mask_at, True)):
                         x = NEG_INF
                     s[0, nb, 2 * half + c] = x
 

@@ -15,7 +15,7 @@ from numba import cuda, float32, uint16
 
 from .constants import NEG_INF, ZERO
 from .intrinsics import pack_bf16x2, pack_f16x2, shfl_xor
-from .mask import make_mask
+from .mask import MASK_ALL, make_mask
 from .score_mod import make_score_mod
 from .softmax import grad_score, online_update, probability
 
@@ -26,10 +26,10 @@ def _pack(bf16):
 
 @functools.lru_cache(maxsize=None)
 def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
-    """softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope, offset,
+    """softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, mask, tile_scale, pre, slope, offset,
     seqlen_k, mask_at) for score tiles of nb_count 8-key blocks and O accumulators of db_count
     8-column blocks: slice sl of the scores s (raw Q Kᵀ, keys n0..) becomes P in place (the
-    score mod, device/score_mod.py; the mask on a partial tile, device/mask.py; the online
+    score mod, device/score_mod.py; the tile's mask, device/mask.py tile_mask; the online
     update of the running max m_i[sl, :] and sum l_i[sl, :], this lane's share of each row's,
     for the rows row_lo and row_lo + 8), and slice sl of the O accumulator is rescaled by
     exp2(m_old - m_new) row by row."""
@@ -38,7 +38,7 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
     SCORE_MOD, modified_score = score_mod.active, score_mod.score
 
     @cuda.jit(device=True, inline="always")
-    def softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope, offset,
+    def softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, mask, tile_scale, pre, slope, offset,
                      seqlen_k, mask_at):
         t = cuda.threadIdx.x % 4
         if SCORE_MOD:  # (before the mask, which must leave -inf)
@@ -48,11 +48,11 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
                                                   n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k,
                                                   mask_at)
         # Mask: -inf where the row does not see the key (partial tiles only).
-        if partial:
+        if mask:
             for nb in range(nb_count):
                 for r in range(4):
                     if not visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2,
-                                   seqlen_k, offset, mask_at):
+                                   seqlen_k, offset, mask_at, mask == MASK_ALL):
                         s[sl, nb, r] = NEG_INF
         # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken on the
         # unscaled scores (the scale is positive).
@@ -89,20 +89,21 @@ def make_tile_gradients(spec, block_count, key_bound=True):
     tile) in place of S and dS = P ∘ (dP − D) · (the score mod's derivative) in place of dP,
     for one 16-row slice of block_count 8-column blocks:
 
-    row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale,
+    row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale,
                   pre, slope, offset, seqlen_k, mask_at): rows are queries (row_lo, row_lo + 8
         this lane's, their lse in log2 units and D given), columns the keys n0.. (dQ);
-    column_gradients(s, dp, key_lo, m0, partial, stats, lse_row, delta_row, tile_scale, pre,
+    column_gradients(s, dp, key_lo, m0, mask, stats, lse_row, delta_row, tile_scale, pre,
                      slope, offset, seqlen_k, mask_at): rows are keys (key_lo, key_lo + 8),
         columns the queries m0.., whose lse and D are stats[lse_row, c] and
         stats[delta_row, c] for the tile's query c (Sᵀ, for dK and dV).
-    Query rows past seqlen_q or that see no key come with lse = +inf: their P is 0."""
+    mask: the tile's (device/mask.py tile_mask). Query rows past seqlen_q or that see no key
+    come with lse = +inf: their P is 0."""
     visible = make_mask(spec, key_bound)
     score_and_grad = make_score_mod(spec).score_and_grad
 
     @cuda.jit(device=True, inline="always")
-    def row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi,
-                      tile_scale, pre, slope, offset, seqlen_k, mask_at):
+    def row_gradients_with(s, dp, row_lo, n0, mask, with_mod, lse_lo, lse_hi, delta_lo,
+                           delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at):
         t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
         for nb in range(block_count):
             for r in range(4):
@@ -112,13 +113,25 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                 score, dscore = score_and_grad(s[0, nb, r], pre, slope, row, col, offset,
                                                seqlen_k, mask_at)
                 p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                if partial and not visible(row, col, seqlen_k, offset, mask_at):
+                if mask and not visible(row, col, seqlen_k, offset, mask_at, with_mod):
                     p = ZERO
                 s[0, nb, r] = p
                 dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo) * dscore
 
     @cuda.jit(device=True, inline="always")
-    def column_gradients(s, dp, key_lo, m0, partial, stats, lse_row, delta_row, tile_scale,
+    def row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi,
+                      tile_scale, pre, slope, offset, seqlen_k, mask_at):
+        # (a copy for each: asking mask_mod on a flag known at run time, the Hopper dQ
+        # kernel with a mask_mod and GQA spilled 36 bytes)
+        if mask == MASK_ALL:
+            row_gradients_with(s, dp, row_lo, n0, mask, True, lse_lo, lse_hi, delta_lo,
+                               delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at)
+        else:
+            row_gradients_with(s, dp, row_lo, n0, mask, False, lse_lo, lse_hi, delta_lo,
+                               delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at)
+
+    @cuda.jit(device=True, inline="always")
+    def column_gradients(s, dp, key_lo, m0, mask, stats, lse_row, delta_row, tile_scale,
                          pre, slope, offset, seqlen_k, mask_at):
         t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
         for nq in range(block_count):
@@ -128,8 +141,8 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                                                key_lo + 8 * (r // 2), offset, seqlen_k,
                                                mask_at)
                 p = probability(score, tile_scale, stats[lse_row, c])
-                if partial and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
-                                           mask_at):
+                if mask and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
+                                        mask_at, mask == MASK_ALL):
                     p = ZERO
                 s[0, nq, r] = p
                 dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[delta_row, c]) * dscore

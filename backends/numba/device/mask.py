@@ -11,14 +11,29 @@ import functools
 from numba import cuda
 
 from .attn_mask import make_mask_readers
+from .block_range import FULL
 from .mask_mod import make_mask_mod_reader
+
+#: what a visited tile's elements are tested against: nothing (MASK_NONE); the window,
+#: causal, the sequence ends and an attn_mask (MASK_BOUNDS); those and mask_mod (MASK_ALL)
+MASK_NONE, MASK_BOUNDS, MASK_ALL = 0, 1, 2
+
+
+@cuda.jit(device=True, inline="always")
+def tile_mask(bounds_partial, kind):
+    """The mask a visited tile needs, from block_range's is_partial and mask_mod's class of
+    the tile: a tile mask_mod sees whole (FULL) skips its predicate, which may read memory
+    per element."""
+    if kind != FULL:
+        return MASK_ALL
+    return MASK_BOUNDS if bounds_partial else MASK_NONE
 
 
 @functools.lru_cache(maxsize=None)
 def make_mask(spec, key_bound=True):
-    """visible(row, col, seqlen_k, offset, mask_at) -> bool for the call's spec
+    """visible(row, col, seqlen_k, offset, mask_at, with_mod) -> bool for the call's spec
     (for_kernels()); mask_at: the block's (attn_mask, b, h) (device/attn_mask.py; b the
-    sequence, blockIdx.z).
+    sequence, blockIdx.z); with_mod: whether mask_mod is asked too (tile_mask's MASK_ALL).
 
     key_bound=False leaves out the test against seqlen_k, for kernels whose rows past seqlen_k
     are never stored (dK/dV, with block_range's key_bound=False); there it would cost
@@ -29,7 +44,7 @@ def make_mask(spec, key_bound=True):
     mod_allows = make_mask_mod_reader(spec)
 
     @cuda.jit(device=True, inline="always")
-    def visible(row, col, seqlen_k, offset, mask_at):
+    def visible(row, col, seqlen_k, offset, mask_at, with_mod):
         if key_bound and col >= seqlen_k:
             return False
         if right >= 0 and col > row + offset + right:
@@ -37,6 +52,7 @@ def make_mask(spec, key_bound=True):
         if left >= 0 and col < row + offset - left:
             return False
         return (allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
-                and mod_allows(mask_at, row, col, seqlen_k - offset, seqlen_k))
+                and (not with_mod or mod_allows(mask_at, row, col, seqlen_k - offset,
+                                                seqlen_k)))
 
     return visible

@@ -25,13 +25,14 @@ import functools
 
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
+from ..device.block_range import EMPTY, make_block_range, make_group_walk
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
                                  map_slot, mbarrier_arrive, mbarrier_expect_tx, mbarrier_wait,
                                  opaque, setmaxnreg_dec, setmaxnreg_inc, shared_base, syncwarp,
                                  tensor_map_acquire, wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.mask import tile_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
@@ -254,7 +255,7 @@ def hopper_dk_dv_kernel_function(config, spec):
 
                 # Pᵀ = exp2(Sᵀ - lse) and dSᵀ = Pᵀ (dPᵀ - D), the mask on partial tiles.
                 column_gradients(s, dp, key_lo, m0,
-                                 is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL,
+                                 tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind),
                                  stats, 2 * stage, 2 * stage + 1, tile_scale, pre,
                                  head_slope(alibi_slopes, seq, h), offset, seqlen_k,
                                  (attn_mask, seq, h, mod_arrays))

@@ -24,13 +24,14 @@ import functools
 
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range
+from ..device.block_range import EMPTY, make_block_range
 from ..device.constants import POS_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_gradients
 from ..device.intrinsics import (cp_async_commit, make_descriptor, make_fence_operands,
                                  map_slot, mbarrier_arrive, mbarrier_expect_tx, mbarrier_wait,
                                  opaque, setmaxnreg_dec, setmaxnreg_inc, shared_base,
                                  tensor_map_acquire, wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.mask import tile_mask
 from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import make_sequence
@@ -181,9 +182,9 @@ def hopper_dq_kernel_function(config, spec):
         class; the mask on partial tiles); dS packed to 16 bits in ds, wgmma's A fragments.
         stats: the rows' (lse_lo, lse_hi, delta_lo, delta_hi)."""
         lse_lo, lse_hi, delta_lo, delta_hi = stats
-        row_gradients(s, dp, row_lo, n0, is_partial(m0, n0, seqlen_q, seqlen_k)
-                      or kind == PARTIAL, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale, pre,
-                      slope, seqlen_k - seqlen_q, seqlen_k, mask_at)
+        mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind)
+        row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi, tile_scale,
+                      pre, slope, seqlen_k - seqlen_q, seqlen_k, mask_at)
         for kc in range(KC):
             ds[kc, 0], ds[kc, 1], ds[kc, 2], ds[kc, 3] = pack_chunk(dp, 0, kc)
 

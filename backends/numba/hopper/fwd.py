@@ -41,7 +41,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_query_tile_start
+from ..device.block_range import EMPTY, make_block_range, make_query_tile_start
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_pack_chunk, make_tile_softmax
 from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor,
@@ -49,6 +49,7 @@ from ..device.intrinsics import (SIMULATED, cp_async_commit, make_descriptor,
                                  mbarrier_expect_tx, mbarrier_wait, setmaxnreg_dec,
                                  setmaxnreg_inc, shared_base, shfl_xor, tensor_map_acquire,
                                  wgmma_commit, wgmma_fence, wgmma_wait)
+from ..device.mask import tile_mask
 from ..device.mask_mod import make_next_key_tile, make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -213,8 +214,8 @@ def hopper_forward_kernel_function(config, spec):
                      pre, slope, mask_at):
         """Mask, score mod and online softmax of the tile at key n0 (kind: its mask_mod
         class); O rescaled; P packed to 16 bits in p, wgmma's A fragments."""
-        partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
-        softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, partial, tile_scale, pre, slope,
+        mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind)
+        softmax_step(s, acc, 0, m_i, l_i, row_lo, n0, mask, tile_scale, pre, slope,
                      seqlen_k - seqlen_q, seqlen_k, mask_at)
         for kc in range(KC):
             p[kc, 0], p[kc, 1], p[kc, 2], p[kc, 3] = pack_chunk(s, 0, kc)

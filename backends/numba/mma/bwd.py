@@ -28,11 +28,12 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range, make_group_walk
+from ..device.block_range import EMPTY, make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.fragments import make_fragment_store, make_tile_gradients
 from ..device.intrinsics import SHARED_ALIGN, cp_async_commit, cp_async_wait, opaque, shared_tile
+from ..device.mask import tile_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -180,11 +181,11 @@ def mma_dk_dv_kernel_function(config, spec):
 
             # Scores: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys (not for a tile no
             # query sees: mask_mod's EMPTY).
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind)
             if kind != EMPTY:
                 scores(s, opaque(k_a), opaque(q_b + stage_bytes))
                 scores(dp, opaque(v_a), opaque(do_b + stage_bytes))
-                column_gradients(s, dp, key_lo, m0, partial, stats, 2 * stage, 2 * stage + 1,
+                column_gradients(s, dp, key_lo, m0, mask, stats, 2 * stage, 2 * stage + 1,
                                  tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             # Accumulate: dV += Pᵀ dO, dK += dSᵀ Q (scaled at the end).
@@ -315,11 +316,11 @@ def mma_dq_kernel_function(config, spec):
             # Scores: S = Q Kᵀ, dP = dO Vᵀ; P = exp2(S - lse), dS = P (dP - D) (not for a tile
             # no query sees: mask_mod's EMPTY).
             kind = mod_class(tiles, seq, h, m0, n0)
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind)
             if kind != EMPTY:
                 scores(s, opaque(q_a), opaque(k_b + stage_bytes))
                 scores(dp, opaque(do_a), opaque(v_b + stage_bytes))
-                row_gradients(s, dp, row_lo, n0, partial, lse_lo, lse_hi, delta_lo, delta_hi,
+                row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi,
                               tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             # Accumulate: dQ += dS K (scaled at the end).

@@ -35,11 +35,12 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from ..device.block_range import EMPTY, PARTIAL, make_block_range
+from ..device.block_range import EMPTY, make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.fragments import make_fragment_store, make_tile_softmax
 from ..device.intrinsics import (SHARED_ALIGN, cp_async_commit, cp_async_wait, ldmatrix_x4,
                                  opaque, shared_tile, shfl_xor)
+from ..device.mask import tile_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -176,11 +177,11 @@ def mma_forward_kernel_function(config, spec):
                 load_tile(k_tile, 0, k, b, k_start + n0 + BLOCK_N, h_kv, k_end, BLOCK_N)
             cp_async_commit()  # (an empty group on the last tile keeps the counting uniform)
 
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or kind == PARTIAL
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k), kind)
             if seen:  # score mod, mask, online softmax: P in place of S, O rescaled
                 for sl in range(SL):
                     softmax_step(s, acc, sl, m_i, l_i, m0 + warp_row0 + 16 * sl + g, n0,
-                                 partial, tile_scale, pre, slope, offset, seqlen_k, mask_at)
+                                 mask, tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
             cp_async_wait(1)  # the V tile of n0 has landed (the next K tile may be in flight)
             cuda.syncthreads()  # why: every thread's part of the V tile is visible

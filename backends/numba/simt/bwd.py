@@ -28,11 +28,11 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import FULL, make_block_range, make_group_walk
+from ..device.block_range import make_block_range, make_group_walk
 from ..device.constants import LOG2E, ONE, POS_INF, ZERO
 from ..device.delta import launch_delta
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, syncwarp
-from ..device.mask import make_mask
+from ..device.mask import MASK_ALL, make_mask, tile_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -168,8 +168,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_M  # this stage's rows in q_tiles, do_tiles
             tile_scores(s, k_tile, q_tiles, ty, row0 + tx)
             tile_scores(dp, v_tile, do_tiles, ty, row0 + tx)
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(
-                tiles, seq, mask_at[2], m0, n0) != FULL
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k),
+                             mod_class(tiles, seq, mask_at[2], m0, n0))
             for i in range(TK):
                 key = ty + LANE_ROWS * i
                 for j in range(TQ):
@@ -178,7 +178,8 @@ def _dk_dv_kernel_function(config, spec, async_copy):
                     score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query, n0 + key,
                                                    offset, seqlen_k, mask_at)
                     p = probability(score, tile_scale, lse_tiles[stage, query])
-                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at):
+                    if mask and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at,
+                                            mask == MASK_ALL):
                         p = ZERO
                     p_tile[key, query] = p
                     ds_tile[key, query] = grad_score(p, dp[i, j],
@@ -299,8 +300,8 @@ def _dq_kernel_function(config, spec, async_copy):
             row0 = stage * BLOCK_N  # this stage's rows in k_tiles, v_tiles
             tile_scores(s, q_tile, k_tiles, ty, row0 + tx)
             tile_scores(dp, do_tile, v_tiles, ty, row0 + tx)
-            partial = is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(
-                tiles, seq, mask_at[2], m0, n0) != FULL
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k),
+                             mod_class(tiles, seq, mask_at[2], m0, n0))
             for i in range(TM):
                 query = ty + LANE_ROWS * i
                 for j in range(TN):
@@ -308,7 +309,8 @@ def _dq_kernel_function(config, spec, async_copy):
                     score, dscore = score_and_grad(s[i, j], pre, slope, m0 + query, n0 + key,
                                                    offset, seqlen_k, mask_at)
                     p = probability(score, tile_scale, lse_i[i])
-                    if partial and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at):
+                    if mask and not visible(m0 + query, n0 + key, seqlen_k, offset, mask_at,
+                                            mask == MASK_ALL):
                         p = ZERO
                     ds_tile[query, key] = grad_score(p, dp[i, j], delta_i[i]) * dscore
             syncwarp()  # why: the warp's dS rows complete before its lanes read them

@@ -31,10 +31,10 @@ import functools
 import numpy as np
 from numba import cuda, float32
 
-from ..device.block_range import FULL, make_block_range
+from ..device.block_range import make_block_range
 from ..device.constants import LOG2E, NEG_INF, ZERO
 from ..device.intrinsics import SHARED_ALIGN, shared_tile, shfl_xor
-from ..device.mask import make_mask
+from ..device.mask import MASK_ALL, make_mask, tile_mask
 from ..device.mask_mod import make_tile_table
 from ..device.score_mod import make_score_mod
 from ..device.sequence import grid_extent, make_sequence
@@ -142,12 +142,13 @@ def forward_kernel_function(config, spec, async_copy=False):
                         s[i, j] = modified_score(s[i, j], pre, slope, m0 + ty + LANE_ROWS * i,
                                                  n0 + tx + LANE_COLS * j, offset, seqlen_k,
                                                  mask_at)
-            if is_partial(m0, n0, seqlen_q, seqlen_k) or mod_class(tiles, seq, h, m0,
-                                                                   n0) != FULL:
+            mask = tile_mask(is_partial(m0, n0, seqlen_q, seqlen_k),
+                             mod_class(tiles, seq, h, m0, n0))
+            if mask:
                 for i in range(TM):
                     for j in range(TN):
                         if not visible(m0 + ty + LANE_ROWS * i, n0 + tx + LANE_COLS * j,
-                                       seqlen_k, offset, mask_at):
+                                       seqlen_k, offset, mask_at, mask == MASK_ALL):
                             s[i, j] = NEG_INF
 
             # Rescale: m_new = max(m_old, row max over the row's 8 lanes · scale), alpha =
