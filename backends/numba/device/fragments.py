@@ -119,10 +119,28 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                 dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo) * dscore
 
     @cuda.jit(device=True, inline="always")
+    def column_gradients_with(s, dp, key_lo, m0, mask, with_mod, stats, lse_row, delta_row,
+                              tile_scale, pre, slope, offset, seqlen_k, mask_at):
+        t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
+        for nq in range(block_count):
+            for r in range(4):
+                c = 8 * nq + 2 * t + r % 2  # the query within the tile
+                score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
+                                               key_lo + 8 * (r // 2), offset, seqlen_k,
+                                               mask_at)
+                p = probability(score, tile_scale, stats[lse_row, c])
+                if mask and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
+                                        mask_at, with_mod):
+                    p = ZERO
+                s[0, nq, r] = p
+                dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[delta_row, c]) * dscore
+
+    # Each takes a copy of its loop for each answer to "ask mask_mod?": with the flag known
+    # only at run time the Hopper dQ kernel with a mask_mod and GQA spilled 36 bytes, and the
+    # backward of a mask_mod ran 7-14 % slower (docs/KERNEL_NOTES.md, "The tile mask").
+    @cuda.jit(device=True, inline="always")
     def row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi,
                       tile_scale, pre, slope, offset, seqlen_k, mask_at):
-        # (a copy for each: asking mask_mod on a flag known at run time, the Hopper dQ
-        # kernel with a mask_mod and GQA spilled 36 bytes)
         if mask == MASK_ALL:
             row_gradients_with(s, dp, row_lo, n0, mask, True, lse_lo, lse_hi, delta_lo,
                                delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at)
@@ -133,19 +151,12 @@ def make_tile_gradients(spec, block_count, key_bound=True):
     @cuda.jit(device=True, inline="always")
     def column_gradients(s, dp, key_lo, m0, mask, stats, lse_row, delta_row, tile_scale,
                          pre, slope, offset, seqlen_k, mask_at):
-        t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
-        for nq in range(block_count):
-            for r in range(4):
-                c = 8 * nq + 2 * t + r % 2  # the query within the tile
-                score, dscore = score_and_grad(s[0, nq, r], pre, slope, m0 + c,
-                                               key_lo + 8 * (r // 2), offset, seqlen_k,
-                                               mask_at)
-                p = probability(score, tile_scale, stats[lse_row, c])
-                if mask and not visible(m0 + c, key_lo + 8 * (r // 2), seqlen_k, offset,
-                                        mask_at, mask == MASK_ALL):
-                    p = ZERO
-                s[0, nq, r] = p
-                dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[delta_row, c]) * dscore
+        if mask == MASK_ALL:
+            column_gradients_with(s, dp, key_lo, m0, mask, True, stats, lse_row, delta_row,
+                                  tile_scale, pre, slope, offset, seqlen_k, mask_at)
+        else:
+            column_gradients_with(s, dp, key_lo, m0, mask, False, stats, lse_row, delta_row,
+                                  tile_scale, pre, slope, offset, seqlen_k, mask_at)
 
     return row_gradients, column_gradients
 
