@@ -38,6 +38,16 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
     SCORE_MOD, modified_score = score_mod.active, score_mod.score
 
     @cuda.jit(device=True, inline="always")
+    def mask_scores(s, sl, row_lo, n0, with_mod, seqlen_k, offset, mask_at):
+        """-inf where the row does not see the key."""
+        t = cuda.threadIdx.x % 4
+        for nb in range(nb_count):
+            for r in range(4):
+                if not visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2, seqlen_k,
+                               offset, mask_at, with_mod):
+                    s[sl, nb, r] = NEG_INF
+
+    @cuda.jit(device=True, inline="always")
     def softmax_step(s, acc, sl, m_i, l_i, row_lo, n0, mask, tile_scale, pre, slope, offset,
                      seqlen_k, mask_at):
         t = cuda.threadIdx.x % 4
@@ -47,13 +57,12 @@ def make_tile_softmax(spec, nb_count, db_count, key_bound=True):
                     s[sl, nb, r] = modified_score(s[sl, nb, r], pre, slope, row_lo + 8 * (r // 2),
                                                   n0 + 8 * nb + 2 * t + r % 2, offset, seqlen_k,
                                                   mask_at)
-        # Mask: -inf where the row does not see the key (partial tiles only).
-        if mask:
-            for nb in range(nb_count):
-                for r in range(4):
-                    if not visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2,
-                                   seqlen_k, offset, mask_at, mask == MASK_ALL):
-                        s[sl, nb, r] = NEG_INF
+        # The mask on partial tiles, a copy for each answer to "ask mask_mod?" (as the
+        # gradients below)
+        if mask == MASK_ALL:
+            mask_scores(s, sl, row_lo, n0, True, seqlen_k, offset, mask_at)
+        elif mask:
+            mask_scores(s, sl, row_lo, n0, False, seqlen_k, offset, mask_at)
         # Rescale: row max over the lane's columns, then over the row's 4 lanes, taken on the
         # unscaled scores (the scale is positive).
         ref = cuda.local.array(2, float32)
