@@ -5,6 +5,8 @@ without a block mask, which builds its tile tables once; the tile tables are wha
 the tiles says; bad functions and block masks get a TypeError or ValueError naming them
 before any kernel runs. The kernels' own cases (more masks, both families) are
 tests/variants/test_*_kernels.py'."""
+import types
+
 import numpy as np
 import pytest
 from error_rule import assert_within_rule
@@ -14,7 +16,7 @@ from numba_flash import registry
 from numba_flash.extras import Extras
 from numba_flash.mask_mod import lower
 from numba_flash.reference import attention_backward, attention_forward
-from numba_flash.spec import make_spec
+from numba_flash.spec import check_mask_mod, make_spec
 
 BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEAD_DIM = 2, 11, 14, 4, 2, 8
 DOCUMENTS = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 4, 4], np.int32)
@@ -198,6 +200,22 @@ def test_a_mask_mod_that_is_not_a_function_of_four_indices_is_refused(rng, no_ba
     q, k, v = _qkv(rng)
     with pytest.raises(TypeError, match=message):
         numba_flash.forward(q, k, v, mask_mod=mask_mod)
+
+
+def _five(b, h, q_idx, kv_idx, extra):
+    return True
+
+
+def test_the_four_index_check_follows_a_functions_defaults_not_only_its_code(rng, no_backend):
+    """The check keeps its verdicts by code and defaults (not by function, which would keep
+    the arrays a function captures alive): of two functions of one code, the one whose fifth
+    parameter has a default takes four indices, the other does not, asked in either order."""
+    q, k, v = _qkv(rng)
+    with_default = types.FunctionType(_five.__code__, _five.__globals__, "_five", (1,))
+    for _ in range(2):
+        with pytest.raises(TypeError, match="'_five', which does not take four positional"):
+            numba_flash.forward(q, k, v, mask_mod=_five)
+        assert check_mask_mod(with_default) is with_default
 
 
 def _raises(b, h, q_idx, kv_idx):
