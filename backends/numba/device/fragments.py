@@ -145,8 +145,8 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                 dp[0, nq, r] = grad_score(p, dp[0, nq, r], stats[delta_row, c]) * dscore
 
     # Each takes a copy of its loop for each answer to "ask mask_mod?": with the flag known
-    # only at run time the Hopper dQ kernel with a mask_mod and GQA spilled 36 bytes, and the
-    # backward of a mask_mod ran 7-14 % slower (docs/KERNEL_NOTES.md, "the tile mask").
+    # only at run time the Hopper dQ kernel with a mask_mod and GQA spilled 36 bytes, and a
+    # mask_mod's backward ran 10-14 % slower (docs/KERNEL_NOTES.md, "the tile mask").
     @cuda.jit(device=True, inline="always")
     def row_gradients(s, dp, row_lo, n0, mask, lse_lo, lse_hi, delta_lo, delta_hi,
                       tile_scale, pre, slope, offset, seqlen_k, mask_at):
