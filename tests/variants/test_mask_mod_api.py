@@ -5,6 +5,7 @@ without a block mask, which builds its tile tables once; the tile tables are wha
 the tiles says; bad functions and block masks get a TypeError or ValueError naming them
 before any kernel runs. The kernels' own cases (more masks, both families) are
 tests/variants/test_*_kernels.py'."""
+import functools
 import types
 
 import numpy as np
@@ -209,13 +210,21 @@ def _five(b, h, q_idx, kv_idx, extra):
 def test_the_four_index_check_follows_a_functions_defaults_not_only_its_code(rng, no_backend):
     """The check keeps its verdicts by code and defaults (not by function, which would keep
     the arrays a function captures alive): of two functions of one code, the one whose fifth
-    parameter has a default takes four indices, the other does not, asked in either order."""
+    parameter has a default takes four indices, the other does not, asked in either order;
+    wrappers of one code each get their wrapped function's verdict."""
     q, k, v = _qkv(rng)
     with_default = types.FunctionType(_five.__code__, _five.__globals__, "_five", (1,))
     for _ in range(2):
         with pytest.raises(TypeError, match="'_five', which does not take four positional"):
             numba_flash.forward(q, k, v, mask_mod=_five)
         assert check_mask_mod(with_default) is with_default
+    # wrappers share their code; their signatures are what they wrap
+    wrapped_five, wrapped_four = (functools.wraps(f)(lambda *args: f(*args))
+                                  for f in (_five, with_default))
+    for _ in range(2):
+        assert check_mask_mod(wrapped_four) is wrapped_four
+        with pytest.raises(TypeError, match="does not take four positional"):
+            check_mask_mod(wrapped_five)
 
 
 def _raises(b, h, q_idx, kv_idx):
