@@ -186,37 +186,34 @@ def check_mask_mod(mask_mod):
                "None)")
     if not inspect.isfunction(mask_mod):  # (what Numba compiles: no partials, no methods)
         raise TypeError(f"{message}; got {type(mask_mod).__name__}")
-    # (what binding depends on, not the function: a cache of functions would keep the arrays
-    # they capture alive; a wrapper's signature is its __wrapped__'s or __signature__: asked
-    # each time)
-    shape = (mask_mod.__code__, len(mask_mod.__defaults__ or ()),
-             tuple(sorted(mask_mod.__kwdefaults__ or ())))
-    if "__wrapped__" in vars(mask_mod) or "__signature__" in vars(mask_mod):
-        shape = None
-    if not _takes_four_indices(shape, mask_mod):
+    if not _binds_four_indices(mask_mod):
         raise TypeError(f"{message}; got {getattr(mask_mod, '__name__', mask_mod)!r}, which "
                         f"does not take four positional arguments")
     return mask_mod
 
 
-_FOUR_INDICES = {}  # {a function's shape (check_mask_mod): whether it takes four indices}
+_FOUR_INDICES = {}  # {(code, defaults count, keyword defaults' names): _binds_four_indices}
 
 
-def _takes_four_indices(shape, function):
-    """Whether function (of this shape) binds four positional arguments; asked of inspect once
-    per shape (a call with a mask_mod checks it: inspect took a tenth of the call's host
-    time), every time for shape None."""
-    known = None if shape is None else _FOUR_INDICES.get(shape)
+def _binds_four_indices(function):
+    """Whether function binds four positional arguments. Every call with a mask_mod asks (inspect
+    took a tenth of such a call's host time): the answers are kept by what binding depends on,
+    not by function (which would keep the arrays it captures alive); a wrapper, whose signature
+    is its __wrapped__'s or __signature__, is asked each time."""
+    wrapper = "__wrapped__" in vars(function) or "__signature__" in vars(function)
+    key = (function.__code__, len(function.__defaults__ or ()),
+           tuple(sorted(function.__kwdefaults__ or ())))
+    known = None if wrapper else _FOUR_INDICES.get(key)
     if known is None:
         try:
             inspect.signature(function).bind(0, 0, 0, 0)
             known = True
         except TypeError:
             known = False
-        if shape is not None:
+        if not wrapper:
             if len(_FOUR_INDICES) >= 256:
                 _FOUR_INDICES.clear()
-            _FOUR_INDICES[shape] = known
+            _FOUR_INDICES[key] = known
     return known
 
 

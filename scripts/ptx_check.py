@@ -257,13 +257,12 @@ MAPS, BACKWARD_MAPS = ("int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)",
 
 
 def _hopper_specs(head_dim, dtype, variants):
-    """_specs, and with variants the mask_mod's without GQA ("mask_mod_mha")."""
-    yield from _specs(head_dim, dtype, variants)
-    if variants:
-        for kind, spec, extras in _specs(head_dim, dtype, variants):
-            if kind == "mask_mod":
-                yield ("mask_mod_mha", AttentionSpec(head_dim=head_dim, dtype=dtype,
-                                                     **MASK_MODDED_MHA), extras)
+    """_specs, and after the mask_mod's the same without GQA ("mask_mod_mha")."""
+    for kind, spec, extras in _specs(head_dim, dtype, variants):
+        yield kind, spec, extras
+        if kind == "mask_mod":
+            yield ("mask_mod_mha", AttentionSpec(head_dim=head_dim, dtype=dtype,
+                                                 **MASK_MODDED_MHA), extras)
 
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):
