@@ -152,7 +152,7 @@ def _forward(spec, extras, backend, q, k, v):
     and (for a cached signature) a new replay."""
     arrays = (q, k, v, *extras.arrays())
     key = call_cache.signature("forward", backend, spec, arrays)
-    replay = call_cache.get(key)
+    replay = call_cache.get(key, extras.block_mask)
     if replay is None:
         if not spec.varlen:  # (varlen's checks run on every call: they read cu_seqlens)
             _checks.check_qkv(q, k, v)
@@ -163,7 +163,7 @@ def _forward(spec, extras, backend, q, k, v):
             out, lse = impl.forward(spec, q, k, v, extras)
         else:
             (out, lse), replay = impl.forward_and_replay(spec, q, k, v, extras)
-            call_cache.put(key, replay)
+            call_cache.put(key, replay, extras.block_mask)
     else:
         out, lse = replay(*arrays)
     return _arrays.convert_like(out, q), _arrays.convert_like(lse, q)
@@ -172,7 +172,7 @@ def _forward(spec, extras, backend, q, k, v):
 def _backward(spec, extras, backend, dout, q, k, v, out, lse):
     arrays = (dout, q, k, v, out, lse, *extras.arrays())
     key = call_cache.signature("backward", backend, spec, arrays)
-    replay = call_cache.get(key)
+    replay = call_cache.get(key, extras.block_mask)
     if replay is None:
         if not spec.varlen:
             _checks.check_backward_args(dout, q, k, v, out, lse)
@@ -183,7 +183,7 @@ def _backward(spec, extras, backend, dout, q, k, v, out, lse):
             grads = impl.backward(spec, dout, q, k, v, out, lse, extras)
         else:
             grads, replay = impl.backward_and_replay(spec, dout, q, k, v, out, lse, extras)
-            call_cache.put(key, replay)
+            call_cache.put(key, replay, extras.block_mask)
     else:
         grads = replay(*arrays)
     return tuple(_arrays.convert_like(g, q) for g in grads)

@@ -20,6 +20,7 @@ already compiled (the arrays are arguments of the kernels: numba_flash/mask_mod.
 """
 import numbers
 import threading
+from collections import OrderedDict
 
 from .spec import check_mask_mod
 
@@ -34,6 +35,8 @@ class BlockMask:
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self._tables = {}
         self._lock = threading.Lock()
+        #: replays of the calls made with it, by signature (numba_flash/call_cache.py)
+        self.replays = OrderedDict()
 
     def tables(self, key, build):
         """The classification under `key` (the backend's: device and tile shape), made by

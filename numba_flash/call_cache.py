@@ -9,15 +9,21 @@ allocate the outputs and launch the recorded kernels on the new addresses
 
 The signature holds everything those decisions read: the operation, the backend asked for (and
 the default it stands for), the call's AttentionSpec and, per array, its type, shape, strides,
-dtype, device and whether its address is 16-byte aligned. Only CuPy arrays and CUDA torch
-tensors have signatures; other calls always take the full path. A signature that failed a check
-is never stored, so bad input always meets its error.
+dtype, device and whether its address is 16-byte aligned (a mask_mod's captured arrays are
+among the arrays: its replay reads their new values). Only CuPy arrays and CUDA torch tensors
+have signatures; other calls always take the full path. A signature that failed a check is
+never stored, so bad input always meets its error.
+
+A call with a block mask launches with the block mask's tile tables, so its replays are kept
+in the block mask (BlockMask.replays) rather than here: they go when it goes (a training loop
+makes a block mask per batch, which all layers share).
 
 NUMBA_FLASH_REPLAY=0 in the environment (read at import) turns replays off: every call then
 takes the full path, e.g. to rule the replay out while debugging a wrong result.
 """
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 from numba_flash import _arrays, registry
@@ -27,8 +33,11 @@ ENABLED = os.environ.get("NUMBA_FLASH_REPLAY", "1").strip() != "0"
 
 #: signatures kept; past this the least recently used goes (a loop uses a handful)
 MAX_ENTRIES = 256
+#: signatures kept per block mask (a forward and a backward, in a dtype or two)
+MAX_BLOCK_MASK_ENTRIES = 8
 
 _replays = OrderedDict()
+_block_masks = weakref.WeakSet()  # (those holding replays: for clear)
 _lock = threading.Lock()
 
 
@@ -46,8 +55,8 @@ def _array_signature(x):
 
 def signature(operation, backend, spec, arrays):
     """The call's signature, or None for a call that is not cached."""
-    if not ENABLED or type(backend) is not str or spec.mask_mod is not None:
-        return None  # (a mask_mod's call classifies its tiles first: not one recorded launch)
+    if not ENABLED or type(backend) is not str:
+        return None
     arrays = tuple(map(_array_signature, arrays))
     if None in arrays:
         return None
@@ -56,27 +65,37 @@ def signature(operation, backend, spec, arrays):
     return operation, backend, spec, arrays
 
 
-def get(key):
-    """The replay stored under `key`, or None."""
-    replay = None if key is None else _replays.get(key)
+def get(key, block_mask=None):
+    """The replay stored under `key` (in block_mask, for a call with one), or None."""
+    if key is None:
+        return None
+    replays = _replays if block_mask is None else block_mask.replays
+    replay = replays.get(key)
     if replay is not None:
         try:
-            _replays.move_to_end(key)
+            replays.move_to_end(key)
         except KeyError:  # evicted by another thread meanwhile
             pass
     return replay
 
 
-def put(key, replay):
+def put(key, replay, block_mask=None):
     if key is None:
         return
+    replays, limit = _replays, MAX_ENTRIES
+    if block_mask is not None:
+        replays, limit = block_mask.replays, MAX_BLOCK_MASK_ENTRIES
     with _lock:
-        if len(_replays) >= MAX_ENTRIES:
-            _replays.popitem(last=False)
-        _replays[key] = replay
+        if block_mask is not None:
+            _block_masks.add(block_mask)
+        if len(replays) >= limit:
+            replays.popitem(last=False)
+        replays[key] = replay
 
 
 def clear():
     """Forget every replay (the next call of each signature takes the full path)."""
     with _lock:
         _replays.clear()
+        for block_mask in _block_masks:
+            block_mask.replays.clear()

@@ -18,10 +18,10 @@ class Extras(NamedTuple):
     """alibi_slopes: float32 (nheads,) or (batch, nheads), or None. cu_seqlens_q,
     cu_seqlens_k: int32 (batch + 1,) offsets of the packed sequences (varlen), or None.
     attn_mask: boolean or floating, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or
-    None. block_mask: the numba_flash.block_mask.BlockMask of a call with mask_mod, or None;
+    None. block_mask: the numba_flash.block_mask.BlockMask of a call with mask_mod, or None
+    (not an array: a call's replays are kept in it, numba_flash/call_cache.py);
     mask_mod_arrays: the arrays the call's mask_mod captures, in its MaskModProgram's
-    parameter order (numba_flash.mask_mod; these two are not replayed, nor are calls with a
-    mask_mod)."""
+    parameter order (numba_flash.mask_mod)."""
     alibi_slopes: object = None
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
@@ -30,16 +30,17 @@ class Extras(NamedTuple):
     mask_mod_arrays: tuple = ()
 
     def arrays(self):
-        """The arrays present, in field order (what a call's signature and replay take)."""
+        """The arrays present, in field order, then mask_mod's (what a call's signature and
+        replay take)."""
         if self is NO_EXTRAS:  # (every plain call: nothing to look at)
             return ()
-        return tuple(x for x in self[:4] if x is not None)
+        return tuple(x for x in self[:4] if x is not None) + self.mask_mod_arrays
 
     def with_arrays(self, arrays):
         """The same fields filled from `arrays` (as arrays() returned them) in order."""
         values = iter(arrays)
-        return Extras(*(None if x is None else next(values) for x in self[:4]), self.block_mask,
-                      self.mask_mod_arrays)
+        fields = [None if x is None else next(values) for x in self[:4]]
+        return Extras(*fields, self.block_mask, tuple(values))
 
 
 NO_EXTRAS = Extras()

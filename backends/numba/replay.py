@@ -2,12 +2,14 @@
 
 The first call of a signature runs the backend's Python (engine choice, views, padded copies,
 kernel lookup, parameter packing) inside `recording()`, which notes each allocation the backend
-makes (`note_allocation`) and each launch (`note_launch`, from launch.launch). If every
-address a launch took is the address of exactly one of the call's arrays or allocations,
-`build_replay` turns the record into a `Replay`: later calls of the same signature only
-allocate, read the new addresses and launch. numba_flash/call_cache.py keys replays by
-signature, so everything that decided the record (shapes, strides, dtypes, device, alignment of
-the addresses, the spec, backend) is the same when a replay runs.
+makes (`note_allocation`), each launch (`note_launch`, from launch.launch) and each array
+whose address and values every call of the signature shares (`note_constant`: a block mask's
+tile tables). If every address a launch took is the address of exactly one of the call's
+arrays, allocations or constants, `build_replay` turns the record into a `Replay`: later
+calls of the same signature only allocate, read the new addresses and launch.
+numba_flash/call_cache.py keys replays by signature, so everything that decided the record
+(shapes, strides, dtypes, device, alignment of the addresses, the spec, backend, the block
+mask) is the same when a replay runs.
 """
 import contextlib
 import threading
@@ -18,10 +20,11 @@ _active = threading.local()
 
 
 class Recording:
-    """A call's allocations [(shape, dtype, array)] and launches [(prepared, addresses)]."""
+    """A call's allocations [(shape, dtype, array)], constants [array] and launches
+    [(prepared, addresses)]."""
 
     def __init__(self):
-        self.allocations, self.launches = [], []
+        self.allocations, self.constants, self.launches = [], [], []
 
 
 @contextlib.contextmanager
@@ -42,6 +45,14 @@ def note_allocation(shape, dtype, array):
         record.allocations.append((shape, dtype, array))
 
 
+def note_constant(array):
+    """`array` is the same, at the same address, for every call of the signature (the replay
+    keeps it alive)."""
+    record = getattr(_active, "record", None)
+    if record is not None:
+        record.constants.append(array)
+
+
 def note_launch(prepared, pointers):
     record = getattr(_active, "record", None)
     if record is not None:
@@ -53,13 +64,17 @@ class Replay:
     freshly allocated and computed. As in the recorded call, the input at position `ref` (q)
     decides the library of the allocations (`backend._new`, looked up per call, so a test that
     patches it still sees every allocation), the stream (`backend._stream`) and the GPU made
-    current (`backend._on_device`)."""
-    __slots__ = ("backend", "allocations", "launches", "results", "ref", "pointer_getters")
+    current (`backend._on_device`). The constants' addresses follow the allocations'."""
+    __slots__ = ("backend", "allocations", "launches", "results", "ref", "pointer_getters",
+                 "constants", "constant_pointers")
 
-    def __init__(self, backend, allocations, launches, results, ref, pointer_getters):
+    def __init__(self, backend, allocations, launches, results, ref, pointer_getters,
+                 constants=()):
         self.backend, self.allocations = backend, allocations
         self.launches, self.results, self.ref = launches, results, ref
         self.pointer_getters = pointer_getters  # (per array: the types are the signature's)
+        self.constants = constants  # (kept alive)
+        self.constant_pointers = [_arrays.data_pointer(x) for x in constants]
 
     def __call__(self, *inputs):
         backend, ref = self.backend, inputs[self.ref]
@@ -67,6 +82,7 @@ class Replay:
             arrays = list(inputs)
             arrays += [backend._new(ref, shape, dtype) for shape, dtype in self.allocations]
             pointers = [get(x) for get, x in zip(self.pointer_getters, arrays)]
+            pointers += self.constant_pointers
             stream = backend._stream(ref)
             for prepared, roles in self.launches:
                 prepared(stream, [pointers[role] for role in roles])
@@ -79,7 +95,8 @@ def build_replay(backend, record, inputs, results, ref=0):
     an address does not name exactly one array (inputs that alias, scratch freed within the
     call, a view at an offset): such calls take the full path every time."""
     arrays = list(inputs) + [array for _, _, array in record.allocations]
-    pointers = [_arrays.data_pointer(x) for x in arrays]
+    constants = {_arrays.data_pointer(x): x for x in record.constants}  # (one per address)
+    pointers = [_arrays.data_pointer(x) for x in arrays] + list(constants)
     role_of = {pointer: role for role, pointer in enumerate(pointers)}
     if len(role_of) != len(pointers) or not record.launches:
         return None
@@ -92,4 +109,5 @@ def build_replay(backend, record, inputs, results, ref=0):
         return None
     allocations = tuple((shape, dtype) for shape, dtype, _ in record.allocations)
     getters = tuple(_arrays.pointer_getter(type(x)) for x in arrays)
-    return Replay(backend, allocations, launches, result_roles, ref, getters)
+    return Replay(backend, allocations, launches, result_roles, ref, getters,
+                  tuple(constants.values()))

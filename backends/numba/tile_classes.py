@@ -19,7 +19,7 @@ from numba import cuda
 
 from numba_flash.block_mask import BlockMask
 
-from . import marshal
+from . import marshal, replay
 from .device.block_range import EMPTY, FULL, PARTIAL
 from .device.mask_mod import make_mask_mod_reader
 from .gpu import simulator_enabled
@@ -121,12 +121,23 @@ class TileTables:
                                         functools.partial(self._build, block_m, block_n))
         classes, query_spans, key_spans, _ = tables
         spans = key_spans if along_keys else query_spans
+        if self.kept:  # (the same tables for every call with this block mask)
+            replay.note_constant(classes)
+            replay.note_constant(spans)
         heads = nheads // self.spec.group if along_keys else nheads
         return (marshal.broadcast(marshal.view(classes), (batch, nheads) + classes.shape[2:]),
                 marshal.broadcast(marshal.view(spans), (batch, heads) + spans.shape[2:]),
                 self.mod_arrays)
 
     def _build(self, block_m, block_n):
+        if not self.kept:
+            return self._classify(block_m, block_n)
+        with replay.recording():  # (built once: a replay of a later call does not repeat it)
+            tables = self._classify(block_m, block_n)
+        cuda.synchronize()  # (kept for other calls, maybe on other streams)
+        return tables
+
+    def _classify(self, block_m, block_n):
         mask = self.block_mask
         batch = mask.batch or 1
         nheads = mask.nheads or 1
@@ -137,7 +148,9 @@ class TileTables:
         query_spans = self.alloc((batch, nheads, m_tiles, 2), "int32")
         key_spans = self.alloc((batch, kv_heads, n_tiles, 2), "int32")
         sizes = np.array([seqlen_q, seqlen_k, self.spec.group], np.int32)
-        sizes = sizes if simulator_enabled() else cuda.to_device(sizes)
+        if not simulator_enabled():
+            sizes = cuda.to_device(sizes)
+            replay.note_constant(sizes)  # (the signature's sizes)
         classes_view = marshal.view(classes)
         unused = kernel_extras_unused(classes_view)[0]
         cu_q, cu_k = self.cu_seqlens or (unused, unused)
@@ -150,8 +163,6 @@ class TileTables:
         total = batch * (nheads * m_tiles + kv_heads * n_tiles)
         blocks = 1 if simulator_enabled() else -(-total // THREADS)
         launch(_spans_kernel, blocks, threads, self.stream, 0, classes_view, *spans, sizes)
-        if self.kept:  # (kept for other calls, maybe on other streams)
-            cuda.synchronize()
         return classes, query_spans, key_spans, sizes  # (sizes: alive while the kernels run)
 
 
