@@ -15,6 +15,7 @@ captures arrays must have; an array it would reach other than by its own name (i
 container, a module, a function it calls) is refused, since it would be compiled in.
 """
 import ast
+import dis
 import inspect
 import textwrap
 import threading
@@ -25,14 +26,16 @@ from . import _arrays
 
 class MaskModProgram:
     """function(b, h, q_idx, kv_idx, *captured arrays) -> bool; `captured`: the arrays'
-    names, in parameter order; `name`: mask_mod's, for messages. Compared and hashed by
-    identity: one program per code and constants, so that two programs whose function is
-    the same object (a mask_mod without arrays, whose global number changed) are still two
-    specs and two sets of kernels."""
-    __slots__ = ("function", "captured", "name")
+    names, in parameter order; `name`: mask_mod's, for messages; reads_batch, reads_head:
+    whether its code reads b, h at all (if not, one tile table serves every batch entry or
+    head). Compared and hashed by identity: one program per code and constants, so that two
+    programs whose function is the same object (a mask_mod without arrays, whose global
+    number changed) are still two specs and two sets of kernels."""
+    __slots__ = ("function", "captured", "name", "reads_batch", "reads_head")
 
-    def __init__(self, function, captured, name):
+    def __init__(self, function, captured, name, reads=(True, True)):
         self.function, self.captured, self.name = function, tuple(captured), name
+        self.reads_batch, self.reads_head = reads
 
     def __repr__(self):
         return f"MaskModProgram({self.name}, captured={self.captured})"
@@ -62,12 +65,28 @@ def lower(mask_mod):
     program = _programs.get(key)
     if program is None:
         program = MaskModProgram(_with_parameters(mask_mod, names, defaults) if names
-                                 else mask_mod, names, _name(mask_mod))
+                                 else mask_mod, names, _name(mask_mod),
+                                 tuple(_reads_parameter(mask_mod.__code__, i) for i in (0, 1)))
         with _lock:
             if len(_programs) >= MAX_PROGRAMS:
                 del _programs[next(iter(_programs))]
             program = _programs.setdefault(key, program)
     return program, tuple(arrays)
+
+
+def _reads_parameter(code, position):
+    """Whether code may read its parameter at `position`: an instruction names it other than
+    to store or delete it (a load, or a closure's cell of it)."""
+    name = code.co_varnames[position]
+    if name in code.co_cellvars:
+        return True
+    for instruction in dis.get_instructions(code):
+        value = instruction.argval
+        named = value == name if isinstance(value, str) else (
+            isinstance(value, tuple) and name in value)  # (3.13's paired loads)
+        if named and not instruction.opname.startswith(("STORE", "DELETE")):
+            return True
+    return False
 
 
 def _defaults(mask_mod):

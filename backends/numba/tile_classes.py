@@ -1,6 +1,9 @@
 """The tile tables of a call with a mask_mod (device/mask_mod.py reads them): for a kernel's
 tile shape, each (query tile, key tile) classified EMPTY, PARTIAL or FULL by mask_mod alone,
-and per tile the span of tiles along the other axis that are not empty.
+and per tile the span of tiles along the other axis that are not empty. A tile that causal or
+the window hides wholly (block_range's EMPTY: no kernel visits it) is EMPTY without asking
+mask_mod, so the tables are per window; a mask_mod whose code never reads b (or h) gets one
+table for every batch entry (head).
 
 Two small kernels build them on the call's stream before the attention kernels run:
 `classify`, one block per (query tile, key tile, batch entry · head) (under the simulator
@@ -9,8 +12,8 @@ mask_mod on a strided share of the tile's elements inside the bounds and combine
 sees some key" and "every query sees every key" with syncthreads_or / syncthreads_and; and
 `spans`, one thread per (batch entry, head, tile) scanning its row or column of classes (for
 the dK/dV kernels per key/value head, over the query heads of its GQA group). A BlockMask
-(numba_flash.block_mask) keeps the tables per device, tile shape and group; a call without one
-builds them for its own batch and heads and lets them go with it.
+(numba_flash.block_mask) keeps the tables per device, tile shape, group and window; a call
+without one builds them for its own batch and heads and lets them go with it.
 """
 import functools
 
@@ -20,7 +23,7 @@ from numba import cuda
 from numba_flash.block_mask import BlockMask
 
 from . import marshal, replay
-from .device.block_range import EMPTY, FULL, PARTIAL
+from .device.block_range import EMPTY, FULL, PARTIAL, make_block_range
 from .device.mask_mod import make_mask_mod_reader
 from .gpu import simulator_enabled
 from .launch import current_device, kernel_extras_unused, launch
@@ -33,6 +36,7 @@ SIMULATOR_THREADS = 1
 @functools.lru_cache(maxsize=None)
 def _classify_kernel(spec, block_m, block_n, threads):
     mod_allows = make_mask_mod_reader(spec)
+    tile_class = make_block_range(spec, block_m, block_n)[2]
     varlen = spec.varlen
 
     def classify(classes, sizes, cu_seqlens_q, cu_seqlens_k, mod_arrays):
@@ -45,6 +49,10 @@ def _classify_kernel(spec, block_m, block_n, threads):
         n_tiles = classes.shape[3]
         for tile in range(cuda.blockIdx.x, classes.shape[2] * n_tiles, cuda.gridDim.x):
             m0, n0 = tile // n_tiles * block_m, tile % n_tiles * block_n
+            if tile_class(m0, n0, seqlen_q, seqlen_k) == EMPTY:  # (no kernel visits it)
+                if cuda.threadIdx.x == 0:
+                    classes[b, h, tile // n_tiles, tile % n_tiles] = EMPTY
+                continue
             some, every = False, True
             for e in range(cuda.threadIdx.x, block_m * block_n, threads):
                 row, col = m0 + e // block_n, n0 + e % block_n
@@ -117,7 +125,9 @@ class TileTables:
         """(classes, spans, mod_arrays) for a kernel of block_m x block_n tiles: spans per
         query tile, or per key tile of a key/value head (along_keys: the dK/dV kernels)."""
         batch, nheads, _, _ = self.sizes
-        tables = self.block_mask.tables((self.device, block_m, block_n, self.spec.group),
+        spec = self.spec
+        tables = self.block_mask.tables((self.device, block_m, block_n, spec.group,
+                                         spec.window_left, spec.window_right),
                                         functools.partial(self._build, block_m, block_n))
         classes, query_spans, key_spans, _ = tables
         spans = key_spans if along_keys else query_spans
@@ -138,9 +148,9 @@ class TileTables:
         return tables
 
     def _classify(self, block_m, block_n):
-        mask = self.block_mask
-        batch = mask.batch or 1
-        nheads = mask.nheads or 1
+        mask, program = self.block_mask, self.spec.mask_mod
+        batch = (mask.batch or 1) if program.reads_batch else 1
+        nheads = (mask.nheads or 1) if program.reads_head else 1
         _, _, seqlen_q, seqlen_k = self.sizes
         m_tiles, n_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
         kv_heads = nheads // self.spec.group if nheads > 1 else 1

@@ -185,6 +185,56 @@ def test_the_tile_tables_are_what_a_loop_over_the_tiles_says():
                 assert tuple(key_spans[b, h_kv, n]) == want
 
 
+def _everywhere(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (3, 2)], ids=["causal", "window"])
+def test_tiles_hidden_by_the_window_are_empty_and_a_mask_mod_without_b_and_h_has_one_table(
+        window):
+    """mask_mod lets every query see every key: the tiles causal or the window hides wholly
+    are EMPTY (no kernel visits them: mask_mod is not asked there), the others FULL (mask_mod
+    alone classifies them, whatever the bounds cut); one table serves the batch and heads."""
+    from numba_flash.backends.numba.tile_classes import TileTables
+    from numba_flash.spec import AttentionSpec
+    block_m, block_n = 4, 3
+    left, right = window
+    spec = AttentionSpec(HEAD_DIM, "float32", group=2, mask_mod=_everywhere, window_left=left,
+                         window_right=right)
+    assert (spec.mask_mod.reads_batch, spec.mask_mod.reads_head) == (False, False)
+    tables = TileTables(spec, None, (BATCH, NHEADS, SEQLEN_Q, SEQLEN_K),
+                        lambda shape, dtype: np.full(shape, 77, dtype), 0, 0, ())
+    classes, _, _ = tables.arguments(block_m, block_n, along_keys=False)
+    built = next(iter(tables.block_mask._tables.values()))[0]
+    assert built.shape[:2] == (1, 1)
+    offset = SEQLEN_K - SEQLEN_Q
+    for m in range(-(-SEQLEN_Q // block_m)):
+        rows = np.arange(m * block_m, min(SEQLEN_Q, (m + 1) * block_m))
+        for n in range(-(-SEQLEN_K // block_n)):
+            keys = np.arange(n * block_n, min(SEQLEN_K, (n + 1) * block_n))
+            seen = np.ones((len(rows), len(keys)), bool)
+            if right >= 0:
+                seen &= keys[None, :] <= rows[:, None] + offset + right
+            if left >= 0:
+                seen &= keys[None, :] >= rows[:, None] + offset - left
+            assert (classes[:, :, m, n] == (2 if seen.any() else 0)).all(), (m, n)
+
+
+@pytest.mark.parametrize("mask_mod, reads", [
+    (document, (False, False)), (per_head_stripes, (True, True)),
+    (lambda b, h, q_idx, kv_idx: (h % 2 == 0) | (q_idx >= kv_idx), (False, True)),
+    (lambda b, h, i, j: b > 0 if i > j else b < 0, (True, False))])
+def test_a_programs_code_says_whether_it_reads_b_and_h(mask_mod, reads):
+    program = lower(mask_mod)[0]
+    assert (program.reads_batch, program.reads_head) == reads
+
+    def with_a_closure_over_b(b, h, q_idx, kv_idx):
+        def inner():
+            return b
+        return inner() > 0
+    assert lower(with_a_closure_over_b)[0].reads_batch
+
+
 # ---- 4. bad functions and block masks: named, before any backend or kernel ------------------
 
 def _three(b, h, q_idx):
