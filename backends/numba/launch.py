@@ -27,7 +27,7 @@ import numpy as np
 from numba_flash import _arrays
 
 from . import replay
-from .gpu import SHARED_MEMORY_BYTES
+from .gpu import SHARED_MEMORY_BYTES, simulator_enabled
 
 #: the fields of a Numba array argument, in the order its kernel parameters take them
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
@@ -98,10 +98,13 @@ def device_view(x):
     if interface.get("mask") is not None:
         raise TypeError("masked arrays (__cuda_array_interface__ 'mask') are not supported")
     shape, dtype = tuple(interface["shape"]), np.dtype(interface["typestr"])
-    strides = interface.get("strides")
-    if strides is None:  # C-contiguous
-        strides = tuple(math.prod(shape[i + 1:]) * dtype.itemsize for i in range(len(shape)))
+    strides = interface.get("strides") or contiguous_strides(shape, dtype.itemsize)
     return DeviceView(interface["data"][0], shape, tuple(strides), dtype, x)
+
+
+def contiguous_strides(shape, itemsize):
+    """The strides in bytes of a C-contiguous array."""
+    return tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
 
 
 def is_c_contiguous(shape, strides, itemsize):
@@ -151,22 +154,41 @@ def _argument(arg):
     """(Numba type, kernel parameters, the parameters' indices that hold array addresses) of
     one argument: a DeviceView, a scalar (_SCALARS) or a tuple of them (which Numba's kernel ABI
     passes as its items' parameters one after another; an empty one as none)."""
-    from numba import types
     arg = _launch_arg(arg)
+    return (_argument_type(arg), *_parameters(arg))
+
+
+def argument_types(args):
+    """The Numba types a kernel is compiled for when launched with `args` (launch's, or NumPy
+    arrays: the simulator's), without packing them."""
+    return tuple(map(_argument_type, args))
+
+
+def _argument_type(arg):
+    from numba import types
     if type(arg) in _SCALARS:
-        numba_type, ctypes_type = _SCALARS[type(arg)]
-        return getattr(types, numba_type), (ctypes_type(arg),), ()
+        return getattr(types, _SCALARS[type(arg)][0])
     if isinstance(arg, tuple):
-        argtypes, parameters, pointer_slots = [], [], []
+        return types.BaseTuple.from_types(tuple(map(_argument_type, arg)))
+    array = arg if isinstance(arg, np.ndarray) else _launch_arg(arg)
+    return _array_signature(array.dtype, array.shape, array.strides)[0]
+
+
+def _parameters(arg):
+    """(kernel parameters, the parameters' indices that hold array addresses) of a _launch_arg
+    (_argument's)."""
+    if type(arg) in _SCALARS:
+        return (_SCALARS[type(arg)][1](arg),), ()
+    if isinstance(arg, tuple):
+        parameters, pointer_slots = [], []
         for item in arg:
-            argtype, values, slots = _argument(item)
+            values, slots = _parameters(item)
             pointer_slots.extend(len(parameters) + slot for slot in slots)
-            argtypes.append(argtype)
             parameters.extend(values)
-        return types.BaseTuple.from_types(argtypes), tuple(parameters), tuple(pointer_slots)
-    argtype, sizes, shape_strides = _array_signature(arg.dtype, arg.shape, arg.strides)
+        return tuple(parameters), tuple(pointer_slots)
+    _, sizes, shape_strides = _array_signature(arg.dtype, arg.shape, arg.strides)
     # meminfo, parent, nitems, itemsize, data, shape, strides (ARRAY_FIELDS)
-    return argtype, (0, 0, *sizes, arg.ptr, *shape_strides), (ARRAY_FIELDS.index("data"),)
+    return (0, 0, *sizes, arg.ptr, *shape_strides), (ARRAY_FIELDS.index("data"),)
 
 
 def _pointers(args):
@@ -196,6 +218,7 @@ def on_device(device):
 class _Compiled(NamedTuple):
     handle: object  # the kernel's driver handle
     shared_limit: list  # [bytes of dynamic shared memory the kernel is opted in to]
+    local_bytes: int  # local memory per thread (spills, arrays ptxas kept in memory)
 
 
 _compiled = {}
@@ -209,8 +232,17 @@ def _compile(kernel, argtypes, device):
     with _lock, cuda.gpus[device]:
         if key not in _compiled:
             cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
-            _compiled[key] = _Compiled(cufunc.handle, [SHARED_MEMORY_BYTES])
+            _compiled[key] = _Compiled(cufunc.handle, [SHARED_MEMORY_BYTES], cufunc.attrs.local)
         return _compiled[key]
+
+
+def local_memory(kernel, argtypes, device):
+    """Bytes of local memory a thread of `kernel` compiled for `argtypes` takes on `device`
+    (compiled and loaded for the launches that follow); None under the simulator, which
+    compiles nothing."""
+    if simulator_enabled():
+        return None
+    return _compile(kernel, argtypes, device).local_bytes
 
 
 def _opt_in(compiled, shared_bytes, device):
