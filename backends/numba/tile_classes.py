@@ -13,7 +13,8 @@ sees some key" and "every query sees every key" with syncthreads_or / syncthread
 `spans`, one thread per (batch entry, head, tile) scanning its row or column of classes (for
 the dK/dV kernels per key/value head, over the query heads of its GQA group). A BlockMask
 (numba_flash.block_mask) keeps the tables per device, tile shape, group and window; a call
-without one builds them for its own batch and heads and lets them go with it.
+without one builds them for its own batch and heads and lets them go with it. Their stand-ins
+(TileTableStandIns) give a kernel's argument types before its tables are built.
 """
 import functools
 
@@ -26,9 +27,12 @@ from . import marshal, replay
 from .device.block_range import EMPTY, FULL, PARTIAL, make_block_range
 from .device.mask_mod import make_mask_mod_reader
 from .gpu import simulator_enabled
-from .launch import current_device, kernel_extras_unused, launch
+from .launch import (DeviceView, contiguous_strides, current_device, kernel_extras_unused,
+                     launch)
 
 THREADS = 128
+#: the element types of a tile shape's classes, query spans and key spans
+TABLE_DTYPES = ("int8", "int32", "int32")
 #: under the simulator, which runs a Python thread per GPU thread: fewer, each doing more
 SIMULATOR_THREADS = 1
 
@@ -124,7 +128,6 @@ class TileTables:
     def arguments(self, block_m, block_n, along_keys):
         """(classes, spans, mod_arrays) for a kernel of block_m x block_n tiles: spans per
         query tile, or per key tile of a key/value head (along_keys: the dK/dV kernels)."""
-        batch, nheads, _, _ = self.sizes
         spec = self.spec
         tables = self.block_mask.tables((self.device, block_m, block_n, spec.group,
                                          spec.window_left, spec.window_right),
@@ -134,10 +137,33 @@ class TileTables:
         if self.kept:  # (the same tables for every call with this block mask)
             replay.note_constant(classes)
             replay.note_constant(spans)
+        return self._views(marshal.view(classes), marshal.view(spans), along_keys)
+
+    def stand_ins(self):
+        """These tables as TileTableStandIns: arguments() of their types, nothing built."""
+        return TileTableStandIns(self)
+
+    def _views(self, classes_view, spans_view, along_keys):
+        """The kernels' arguments from views of the classes and the spans: each broadcast to
+        the call's batch and heads (the key/value heads' along keys)."""
+        batch, nheads, _, _ = self.sizes
         heads = nheads // self.spec.group if along_keys else nheads
-        return (marshal.broadcast(marshal.view(classes), (batch, nheads) + classes.shape[2:]),
-                marshal.broadcast(marshal.view(spans), (batch, heads) + spans.shape[2:]),
+        return (marshal.broadcast(classes_view, (batch, nheads) + classes_view.shape[2:]),
+                marshal.broadcast(spans_view, (batch, heads) + spans_view.shape[2:]),
                 self.mod_arrays)
+
+    def _shapes(self, block_m, block_n):
+        """The shapes of (classes, query spans, key spans) for block_m x block_n tiles (of
+        TABLE_DTYPES): per batch entry and head of the block mask (one where it has None, or
+        where mask_mod reads no b or h)."""
+        mask, program = self.block_mask, self.spec.mask_mod
+        batch = (mask.batch or 1) if program.reads_batch else 1
+        nheads = (mask.nheads or 1) if program.reads_head else 1
+        _, _, seqlen_q, seqlen_k = self.sizes
+        m_tiles, n_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+        kv_heads = nheads // self.spec.group if nheads > 1 else 1
+        return ((batch, nheads, m_tiles, n_tiles), (batch, nheads, m_tiles, 2),
+                (batch, kv_heads, n_tiles, 2))
 
     def _build(self, block_m, block_n):
         if not self.kept:
@@ -148,15 +174,12 @@ class TileTables:
         return tables
 
     def _classify(self, block_m, block_n):
-        mask, program = self.block_mask, self.spec.mask_mod
-        batch = (mask.batch or 1) if program.reads_batch else 1
-        nheads = (mask.nheads or 1) if program.reads_head else 1
+        shapes = self._shapes(block_m, block_n)
+        classes, query_spans, key_spans = (self.alloc(shape, dtype)
+                                           for shape, dtype in zip(shapes, TABLE_DTYPES))
+        batch, nheads, m_tiles, n_tiles = shapes[0]
+        kv_heads = shapes[2][1]
         _, _, seqlen_q, seqlen_k = self.sizes
-        m_tiles, n_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-        kv_heads = nheads // self.spec.group if nheads > 1 else 1
-        classes = self.alloc((batch, nheads, m_tiles, n_tiles), "int8")
-        query_spans = self.alloc((batch, nheads, m_tiles, 2), "int32")
-        key_spans = self.alloc((batch, kv_heads, n_tiles, 2), "int32")
         sizes = np.array([seqlen_q, seqlen_k, self.spec.group], np.int32)
         if not simulator_enabled():
             sizes = cuda.to_device(sizes)
@@ -174,6 +197,22 @@ class TileTables:
         blocks = 1 if simulator_enabled() else -(-total // THREADS)
         launch(_spans_kernel, blocks, threads, self.stream, 0, classes_view, *spans, sizes)
         return classes, query_spans, key_spans, sizes  # (sizes: alive while the kernels run)
+
+
+class TileTableStandIns:
+    """A TileTables' arguments() as views of its tables' shapes and types at address 0, built
+    for no tile shape: the types a kernel is compiled for, asked before its tables are built
+    (hopper/key_tiles.py)."""
+
+    def __init__(self, tables):
+        self.tables = tables
+
+    def arguments(self, block_m, block_n, along_keys):
+        classes, query_spans, key_spans = (
+            DeviceView(0, shape, contiguous_strides(shape, np.dtype(dtype).itemsize), dtype)
+            for shape, dtype in zip(self.tables._shapes(block_m, block_n), TABLE_DTYPES))
+        return self.tables._views(classes, key_spans if along_keys else query_spans,
+                                  along_keys)
 
 
 def tile_arguments(tiles, unused, block_m, block_n, along_keys=False):
