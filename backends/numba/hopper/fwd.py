@@ -372,6 +372,15 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     may run at the same time (made here if not given: a NumPy array for host inputs, else a
     Numba device array).
     `config` overrides hopper_forward_config (tests, tuning)."""
+    _, kernel, grid, threads, shared_bytes, args = hopper_forward_launch(
+        spec, q, k, v, out, lse, config, extras, tiles, maps)
+    launch(kernel, grid, threads, stream, shared_bytes, *args)
+
+
+def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, tiles=None,
+                          maps=None):
+    """What launch_hopper_forward launches: (config, kernel, grid, threads, dynamic shared
+    bytes, arguments), config as the launch takes it (cp.async where the maps are refused)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
@@ -390,6 +399,6 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
         maps = map_slots(lse)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
     grid = (-(-seqlen_q // config.block_m), nheads, batch)
-    launch(kernel, grid, config.threads, stream, hopper_forward_shared_bytes(config, head_dim),
-           q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), maps, templates,
-           *extras, *tile_arguments(tiles, lse, config.block_m, config.block_n))
+    return (config, kernel, grid, config.threads, hopper_forward_shared_bytes(config, head_dim),
+            (q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), maps, templates,
+             *extras, *tile_arguments(tiles, lse, config.block_m, config.block_n)))
