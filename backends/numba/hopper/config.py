@@ -114,7 +114,10 @@ _HOPPER_FORWARD_MASKED = (
 #: with a mask_mod, no attn_mask and the copy engine: at d128 64-key tiles, where a mask_mod
 #: compiles clean with causal, softcap and GQA (ptx_check's spec; once also with ALiBi and a
 #: window: docs/KERNEL_NOTES.md) while a floating mask spilled 8 bytes and cp.async's 216
-#: consumer registers 64; at d64 128 keys spilled 48 with softcap and GQA
+#: consumer registers 64; at d64 128 keys spilled 48 with softcap and GQA. The fallback of
+#: the plain table's tiles, which the engine takes where they compile clean for the call
+#: (key_tiles.py: with contiguous arrays they did for a document mask_mod with softcap and
+#: GQA; with strided ones d64's kept 64-72 bytes in local memory, d128's 8 beside softcap)
 _HOPPER_FORWARD_MASK_MOD = (
     (64, HopperConfig(block_n=64)),
     (128, HopperConfig(block_n=64)),
@@ -257,6 +260,20 @@ def hopper_forward_config(head_dim, spec, copy_engine=True):
     if config and not copy_engine:
         return replace(config, copy_engine=False)
     return config and copies_for(spec, config)
+
+
+def mask_mod_wide_forward_config(head_dim, spec):
+    """For a call hopper_forward_config gives the mask_mod table's config: the plain table's
+    (128-key tiles, the copy engine), or None for other calls. The engine takes it where the
+    call's forward compiles there without local memory (key_tiles.py): 64-key tiles cost
+    15-25 % of the forward's speed, but at 128 keys some calls spill (a mask_mod's code, the
+    variants, strided arrays), and those compile both kernels on their first call."""
+    tables = (_HOPPER_FORWARD, _HOPPER_FORWARD_CP_ASYNC, _HOPPER_FORWARD_MASKED,
+              _HOPPER_FORWARD_MASK_MOD)
+    if (head_dim % 16 or _table(spec, True, tables) is not _HOPPER_FORWARD_MASK_MOD
+            or lookup(_HOPPER_FORWARD_MASK_MOD, head_dim) is None):
+        return None
+    return lookup(_HOPPER_FORWARD, head_dim)
 
 
 def copies_for(spec, config):

@@ -2,7 +2,8 @@
 head dims up to 256 (run padded to 64, 128 or 256), up to 128 with an attn_mask or a mask_mod
 (config.py: their tiles would be too small above).
 
-Its forward is the Hopper forward (fwd.py). Its backward is the Hopper backward (bwd.py:
+Its forward is the Hopper forward (fwd.py), on 128-key tiles for a mask_mod where they
+compile without local memory (key_tiles.py). Its backward is the Hopper backward (bwd.py:
 head dims up to 128), and for larger head dims another engine's: the backend hands it one
 (the tensor-core engine's mma.sync kernels, which read the same out and lse).
 
@@ -18,6 +19,7 @@ from ..tile_classes import call_tiles
 from .bwd import launch_hopper_backward
 from .config import hopper_backward_config, hopper_forward_config
 from .fwd import launch_hopper_forward
+from .key_tiles import mask_mod_forward_config
 from .tensor_maps import MAP_SLOTS
 
 DTYPES = ("float16", "bfloat16")
@@ -66,10 +68,13 @@ class HopperEngine(Engine):
         out_view, out_final = marshal.tile_ready_output(out, alloc, head_dim)
         lse_view = marshal.view(lse)
         kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
-        launch_hopper_forward(spec, *inputs, out_view, lse_view, stream, extras=kernel_extras,
-                              tiles=call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc,
-                                               stream),
-                              maps=marshal.view(alloc(MAP_SLOTS, "int64")))
+        tiles = call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc, stream)
+        maps = marshal.view(alloc(MAP_SLOTS, "int64"))
+        # (before the tile tables are built: they are built for the chosen tiles)
+        config = mask_mod_forward_config(spec, *inputs, out_view, lse_view, kernel_extras,
+                                         tiles, maps)
+        launch_hopper_forward(spec, *inputs, out_view, lse_view, stream, config=config,
+                              extras=kernel_extras, tiles=tiles, maps=maps)
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 

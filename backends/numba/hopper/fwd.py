@@ -371,7 +371,8 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     tensor_maps.MAP_SLOTS, for the copy engine's tensor maps, never shared with a launch that
     may run at the same time (made here if not given: a NumPy array for host inputs, else a
     Numba device array).
-    `config` overrides hopper_forward_config (tests, tuning)."""
+    `config` overrides hopper_forward_config (the engine's choice: key_tiles.py; tests,
+    tuning)."""
     _, kernel, grid, threads, shared_bytes, args = hopper_forward_launch(
         spec, q, k, v, out, lse, config, extras, tiles, maps)
     launch(kernel, grid, threads, stream, shared_bytes, *args)
