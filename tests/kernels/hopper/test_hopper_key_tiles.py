@@ -21,13 +21,12 @@ NARROW = HopperConfig(64)
 @pytest.fixture
 def local_memory(monkeypatch):
     """The probe stood in for: the bytes it reports go in `reported`, what it was asked in
-    `asked` (kernel, argument types, device); a fresh cache of the choices."""
+    `asked` (kernel, argument types, device)."""
     probe = {"reported": 0, "asked": []}
 
     def stand_in(kernel, argtypes, device):
         probe["asked"].append((kernel, argtypes, device))
         return probe["reported"]
-    monkeypatch.setattr(key_tiles, "_choices", {})
     monkeypatch.setattr(key_tiles, "local_memory", stand_in)
     return probe
 
@@ -55,8 +54,9 @@ def _qkv(rng, head_dim, seqlen=40, nheads=2):
 @pytest.mark.parametrize("local_bytes", [0, 8])
 def test_a_mask_mod_forward_takes_128_keys_where_they_keep_no_local_memory(
         rng, local_memory, launches, head_dim, local_bytes):
-    """Two calls of one signature ask the probe once; the launch and its tile tables take
-    the 128-key tiles where it reports no local memory, else the mask_mod table's."""
+    """The launch and its tile tables take the 128-key tiles where the probe reports no
+    local memory for the call's kernel and argument types, else the mask_mod table's (each
+    call on host arrays takes the full path, which asks)."""
     local_memory["reported"] = local_bytes
     q, k, v = _qkv(rng, head_dim)
     for _ in range(2):
@@ -64,13 +64,14 @@ def test_a_mask_mod_forward_takes_128_keys_where_they_keep_no_local_memory(
                             backend="numba-hopper")
     want = NARROW if local_bytes else WIDE[head_dim]
     assert launches == [(want, {(want.block_m, want.block_n)})] * 2
-    assert len(local_memory["asked"]) == 1
+    assert len(local_memory["asked"]) == 2 and local_memory["asked"][0] == local_memory[
+        "asked"][1]
     kernel, _, device = local_memory["asked"][0]
     assert kernel.py_func.__name__ == "flash_forward_hopper" and device == 0
     # another kernel (softcap), another question
     numba_flash.forward(q, k, v, causal=True, softcap=20.0, mask_mod=document_mask,
                         backend="numba-hopper")
-    assert len(local_memory["asked"]) == 2 and local_memory["asked"][1][0] is not kernel
+    assert len(local_memory["asked"]) == 3 and local_memory["asked"][2][0] is not kernel
 
 
 def test_the_simulator_keeps_the_mask_mod_tables_tiles(rng, launches):
