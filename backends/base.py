@@ -10,6 +10,8 @@ only decide whether they can serve a call (`supports`) and compute.
 A backend may also say how to repeat a call cheaply (`forward_and_replay`,
 `backward_and_replay`): numba_flash/call_cache.py keeps the replay per call signature.
 """
+import weakref
+
 from numba_flash.extras import NO_EXTRAS
 
 #: what a replay keeps in place of each array a call gives (with_arrays fills them in again):
@@ -18,8 +20,15 @@ _GIVEN = True
 
 
 def _form(extras):
-    """extras with _GIVEN for each array it holds."""
-    return extras.with_arrays((_GIVEN,) * len(extras.arrays()))
+    """fill(arrays) -> extras with those arrays in place of its own. It holds the block mask
+    weakly: the replay is kept in that block mask (numba_flash/call_cache.py), which must be
+    able to go without a collector run."""
+    form = extras.with_arrays((_GIVEN,) * len(extras.arrays()))
+    if form.block_mask is None:
+        return form.with_arrays
+    block_mask = weakref.ref(form.block_mask)
+    form = form._replace(block_mask=None)
+    return lambda arrays: form.with_arrays(arrays)._replace(block_mask=block_mask())
 
 
 class Backend:
@@ -57,12 +66,12 @@ class Backend:
         the public API has checked. By default it is forward_kvcache itself."""
         given = len(cache.arrays())
         cache_form = cache.with_arrays(None, None, (_GIVEN,) * given)
-        extras_form = _form(extras)
+        fill_extras = _form(extras)
 
         def replay(q, k_cache, v_cache, *arrays):
             return self.forward_kvcache(
                 spec, q, cache_form.with_arrays(k_cache, v_cache, arrays[:given]),
-                extras_form.with_arrays(arrays[given:]))
+                fill_extras(arrays[given:]))
         return self.forward_kvcache(spec, q, cache, extras), replay
 
     def forward_and_replay(self, spec, q, k, v, extras=NO_EXTRAS):
@@ -70,20 +79,20 @@ class Backend:
         new arrays of the same signature (spec, shapes, strides, dtypes, device, library,
         16-byte alignment). By default it is forward itself; the public API's checks and
         backend choice, already made for that signature, are what a repeat skips."""
-        extras_form = _form(extras)
+        fill_extras = _form(extras)
 
         def replay(q, k, v, *extra_arrays):
-            return self.forward(spec, q, k, v, extras_form.with_arrays(extra_arrays))
+            return self.forward(spec, q, k, v, fill_extras(extra_arrays))
         return self.forward(spec, q, k, v, extras), replay
 
     def backward_and_replay(self, spec, dout, q, k, v, out, lse, extras=NO_EXTRAS):
         """(backward's result, replay of (dout, q, k, v, out, lse, *extras.arrays())), as
         forward_and_replay."""
-        extras_form = _form(extras)
+        fill_extras = _form(extras)
 
         def replay(dout, q, k, v, out, lse, *extra_arrays):
             return self.backward(spec, dout, q, k, v, out, lse,
-                                 extras_form.with_arrays(extra_arrays))
+                                 fill_extras(extra_arrays))
         return self.backward(spec, dout, q, k, v, out, lse, extras), replay
 
     def __repr__(self):

@@ -11,9 +11,10 @@ steps that share a mask pay it once:
     out, lse = numba_flash.forward(q, k, v, block_mask=document_mask)
 
 The classification is built on first use for each tile shape a kernel runs (the forward and
-the two backward kernels may differ) on the call's GPU, by the Numba backend, and reused
-after; the other backends evaluate mask_mod densely and ignore it. batch or nheads None: the
-mask does not depend on b (or h); the classification for b = 0 (h = 0) serves them all.
+the two backward kernels may differ), GQA group and window on the call's GPU, by the Numba
+backend, and reused after; the other backends evaluate mask_mod densely and ignore it.
+batch or nheads None: the mask does not depend on b (or h); the classification for b = 0
+(h = 0) serves them all.
 The classification is of the values mask_mod's captured arrays had when it was made: new
 values (the next batch's document ids) need a new BlockMask, whose kernels are the ones
 already compiled (the arrays are arguments of the kernels: numba_flash/mask_mod.py).
@@ -27,7 +28,7 @@ from .spec import check_mask_mod
 
 class BlockMask:
     """What numba_flash.block_mask returns: mask_mod, the sizes it was built for, and the
-    classifications made so far (one per device and tile shape)."""
+    classifications made so far (one per device, tile shape, GQA group and window)."""
 
     def __init__(self, mask_mod, batch, nheads, seqlen_q, seqlen_k):
         self.mask_mod = mask_mod
@@ -39,8 +40,8 @@ class BlockMask:
         self.replays = OrderedDict()
 
     def tables(self, key, build):
-        """The classification under `key` (the backend's: device and tile shape), made by
-        build() the first time."""
+        """The classification under `key` (the backend's: device, tile shape, GQA group and
+        window), made by build() the first time."""
         with self._lock:
             if key not in self._tables:
                 self._tables[key] = build()

@@ -75,18 +75,30 @@ def lower(mask_mod):
 
 
 def _reads_parameter(code, position):
-    """Whether code may read its parameter at `position`: an instruction names it other than
-    to store or delete it (a load, or a closure's cell of it)."""
+    """Whether code may read its parameter at `position`: any instruction that names it, but
+    for one that only stores or deletes it, counts as a read (a load, a closure's cell of it,
+    an opcode of a later Python). A parameter that arrives through *args is always read."""
+    if position >= code.co_argcount:  # (*args: the tuple holds it)
+        return True
     name = code.co_varnames[position]
     if name in code.co_cellvars:
         return True
     for instruction in dis.get_instructions(code):
         value = instruction.argval
-        named = value == name if isinstance(value, str) else (
-            isinstance(value, tuple) and name in value)  # (3.13's paired loads)
-        if named and not instruction.opname.startswith(("STORE", "DELETE")):
+        if instruction.opname in _ONLY_WRITES:
+            continue
+        if instruction.opname == "STORE_FAST_LOAD_FAST" and isinstance(value, tuple):
+            # (3.13: stores value[0], loads value[1])
+            value = value[1]
+        if (value == name if isinstance(value, str)
+                else isinstance(value, tuple) and name in value):  # (3.13's paired loads)
             return True
     return False
+
+
+#: opcodes that name a local only to store or delete it
+_ONLY_WRITES = frozenset(("STORE_FAST", "STORE_DEREF", "DELETE_FAST", "DELETE_DEREF",
+                          "STORE_FAST_STORE_FAST", "STORE_FAST_MAYBE_NULL"))
 
 
 def _defaults(mask_mod):

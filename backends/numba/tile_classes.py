@@ -3,7 +3,7 @@ tile shape, each (query tile, key tile) classified EMPTY, PARTIAL or FULL by mas
 and per tile the span of tiles along the other axis that are not empty. A tile that causal or
 the window hides wholly (block_range's EMPTY: no kernel visits it) is EMPTY without asking
 mask_mod, so the tables are per window; a mask_mod whose code never reads b (or h) gets one
-table for every batch entry (head).
+table for every batch entry (head), except that varlen's sequences each get their own.
 
 Two small kernels build them on the call's stream before the attention kernels run:
 `classify`, one block per (query tile, key tile, batch entry · head) (under the simulator
@@ -155,9 +155,10 @@ class TileTables:
     def _shapes(self, block_m, block_n):
         """The shapes of (classes, query spans, key spans) for block_m x block_n tiles (of
         TABLE_DTYPES): per batch entry and head of the block mask (one where it has None, or
-        where mask_mod reads no b or h)."""
+        where mask_mod reads no b or h; varlen: per sequence, whose lengths differ)."""
         mask, program = self.block_mask, self.spec.mask_mod
-        batch = (mask.batch or 1) if program.reads_batch else 1
+        per_sequence = program.reads_batch or self.cu_seqlens is not None
+        batch = (mask.batch or 1) if per_sequence else 1
         nheads = (mask.nheads or 1) if program.reads_head else 1
         _, _, seqlen_q, seqlen_k = self.sizes
         m_tiles, n_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)

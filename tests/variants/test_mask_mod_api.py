@@ -153,6 +153,35 @@ def test_the_simt_kernels_take_a_mask_mod_and_a_block_mask_built_once(rng, monke
     assert len(builds) == first + 1
 
 
+def _near_diagonal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx + 2
+
+
+def test_varlen_sequences_of_different_lengths_get_their_own_tiles(rng):
+    """A mask_mod that reads neither b nor h still gets one table per sequence in varlen:
+    the short sequence's tiles (mostly past its end) must not stand for the long one's."""
+    lengths = (5, 70)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, HEAD_DIM)).astype(np.float32)
+               for _ in range(3))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    varlen = (cu, cu, max(lengths), max(lengths))
+    got = numba_flash.forward_varlen(q, k, v, *varlen, mask_mod=_near_diagonal,
+                                     backend="numba-simt")
+    want = numba_flash.forward_varlen(q.astype(np.float64), k.astype(np.float64),
+                                      v.astype(np.float64), *varlen, mask_mod=_near_diagonal,
+                                      backend="numpy")
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(got[1], want[1], atol=2e-5, rtol=0)
+    grads = numba_flash.backward_varlen(dout, q, k, v, *got, *varlen, mask_mod=_near_diagonal,
+                                        backend="numba-simt")
+    wants = numba_flash.backward_varlen(dout.astype(np.float64), q.astype(np.float64),
+                                        k.astype(np.float64), v.astype(np.float64), *want,
+                                        *varlen, mask_mod=_near_diagonal, backend="numpy")
+    for got_grad, want_grad in zip(grads, wants):
+        np.testing.assert_allclose(got_grad, want_grad, atol=1e-4, rtol=0)
+
+
 # ---- 3. the tile tables -------------------------------------------------------------------
 
 def test_the_tile_tables_are_what_a_loop_over_the_tiles_says():
@@ -223,7 +252,9 @@ def test_tiles_hidden_by_the_window_are_empty_and_a_mask_mod_without_b_and_h_has
 @pytest.mark.parametrize("mask_mod, reads", [
     (document, (False, False)), (per_head_stripes, (True, True)),
     (lambda b, h, q_idx, kv_idx: (h % 2 == 0) | (q_idx >= kv_idx), (False, True)),
-    (lambda b, h, i, j: b > 0 if i > j else b < 0, (True, False))])
+    (lambda b, h, i, j: b > 0 if i > j else b < 0, (True, False)),
+    (lambda *index: index[1] % 2 == 0, (True, True)),
+    (lambda b, *rest: rest[0] > 0, (False, True))])
 def test_a_programs_code_says_whether_it_reads_b_and_h(mask_mod, reads):
     program = lower(mask_mod)[0]
     assert (program.reads_batch, program.reads_head) == reads

@@ -249,11 +249,15 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
     return config and copies_for(spec, config)
 
 
+#: the forward's (plain, cp_async, masked, mask_mod) tables, as _table takes them
+_FORWARD_TABLES = (_HOPPER_FORWARD, _HOPPER_FORWARD_CP_ASYNC, _HOPPER_FORWARD_MASKED,
+                   _HOPPER_FORWARD_MASK_MOD)
+
+
 def hopper_forward_config(head_dim, spec, copy_engine=True):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
     None; copy_engine=False: the config for cp.async copies."""
-    table = _table(spec, copy_engine, (_HOPPER_FORWARD, _HOPPER_FORWARD_CP_ASYNC,
-                                       _HOPPER_FORWARD_MASKED, _HOPPER_FORWARD_MASK_MOD))
+    table = _table(spec, copy_engine, _FORWARD_TABLES)
     if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
         table = _HOPPER_FORWARD_BOOL_MASKED
     config = None if head_dim % 16 else lookup(table, head_dim)
@@ -268,9 +272,7 @@ def mask_mod_wide_forward_config(head_dim, spec):
     call's forward compiles there without local memory (key_tiles.py): 64-key tiles cost
     15-25 % of the forward's speed, but at 128 keys some calls spill (a mask_mod's code, the
     variants, strided arrays), and those compile both kernels on their first call."""
-    tables = (_HOPPER_FORWARD, _HOPPER_FORWARD_CP_ASYNC, _HOPPER_FORWARD_MASKED,
-              _HOPPER_FORWARD_MASK_MOD)
-    if (head_dim % 16 or _table(spec, True, tables) is not _HOPPER_FORWARD_MASK_MOD
+    if (head_dim % 16 or _table(spec, True, _FORWARD_TABLES) is not _HOPPER_FORWARD_MASK_MOD
             or lookup(_HOPPER_FORWARD_MASK_MOD, head_dim) is None):
         return None
     return lookup(_HOPPER_FORWARD, head_dim)
