@@ -120,7 +120,12 @@ def _extras(cp, rng, options, shape, dtype):
 
 def _mask_mod(cp, rng, kind, length):
     """A mask_mod over a captured device array: "document" (random documents of 50 to 400
-    tokens) or "striped" (key stripes of 48 that depend on the batch entry and head)."""
+    tokens) or "striped" (key stripes of 48 that depend on the batch entry and head); or
+    "window" (the 300 keys before a query and 20 after it: no array, and neither b nor h)."""
+    if kind == "window":
+        def window(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + 20) & (q_idx - kv_idx <= 300)
+        return window
     if kind == "document":
         lengths = rng.integers(50, 400, length // 50 + 1)
         document_ids = cp.asarray(np.repeat(np.arange(len(lengths)), lengths)[:length],
@@ -205,8 +210,10 @@ VARLEN_LENGTHS = [(700, 700), (1, 40), (1500, 1200), (0, 30), (333, 0), (900, 11
 @pytest.mark.parametrize("backend, dtype", [("numba", "float16"), ("numba", "bfloat16"),
                                             ("numba-simt", "float32"), ("cupy", "float16")])
 @pytest.mark.parametrize("options", [dict(causal=True), dict(alibi=True, window_size=(200, 64)),
-                                     dict(mask_mod="striped", causal=True)],
-                         ids=["causal", "alibi-window", "striped-mask-mod-causal"])
+                                     dict(mask_mod="striped", causal=True),
+                                     dict(mask_mod="window")],
+                         ids=["causal", "alibi-window", "striped-mask-mod-causal",
+                              "window-mask-mod"])
 def test_varlen_on_gpu(cp, rng, backend, dtype, options):
     """Six packed sequences (one without keys, one without queries), GQA 8/2, d128."""
     cu_q, cu_k = (cp.asarray(np.concatenate([[0], np.cumsum(side)]), cp.int32)
