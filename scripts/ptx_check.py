@@ -47,6 +47,8 @@ from numba_flash.backends.numba.decode.tensor_cores import (  # noqa: E402
     choose_stages, decode_kernel as tensor_core_decode_kernel,
     shared_bytes as tensor_core_decode_bytes)
 from numba_flash.backends.numba.device.delta import delta_kernel_function  # noqa: E402
+from numba_flash.backends.numba.device.group_sums import \
+    group_sums_kernel_function  # noqa: E402
 from numba_flash.backends.numba.gpu import SHARED_MEMORY_BYTES  # noqa: E402
 from numba_flash.backends.numba.hopper.bwd_dk_dv import (  # noqa: E402
     hopper_dk_dv_kernel_function)
@@ -301,6 +303,28 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                        f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32, "
                        f"{BACKWARD_MAPS}{extras})",
                        dq_bytes, (backward.threads, 1))
+                # the dK/dV grid's layouts where blocks are few (hopper/grids.py): a split
+                # group's float32 parts, key tiles along grid.y
+                split = 2 if spec.group % 2 == 0 else 1
+                if split > 1 or spec.causal:
+                    parts = "float32[:, :, :, :]" if split > 1 else u4
+                    yield (f"hopper_bwd_dk_dv_{tag}_split{split}_keys_slowest",
+                           hopper_dk_dv_kernel_function(backward, spec, split, True),
+                           f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {parts}, {parts}, float32, "
+                           f"float32, {BACKWARD_MAPS}{extras})", dk_dv_bytes,
+                           (backward.threads, 1))
+                if spec.causal:
+                    yield (f"hopper_bwd_dq_{tag}_queries_slowest",
+                           hopper_dq_kernel_function(backward, spec, True),
+                           f"({u4}, {u4}, {u4}, {u4}, {f3}, {f3}, {u4}, float32, float32, "
+                           f"{BACKWARD_MAPS}{extras})", dq_bytes, (backward.threads, 1))
+            cu = "int32[::1]"
+            for varlen, cu_type in ((False, "float32[:, :, :]"), (True, cu)):
+                sums_spec = AttentionSpec(head_dim=head_dim, dtype=dtype, varlen=varlen)
+                yield (f"group_sums_d{head_dim}_{dtype}{'_varlen' if varlen else ''}",
+                       group_sums_kernel_function(sums_spec, 2, head_dim),
+                       f"(float32[:, :, :, :], float32[:, :, :, :], {u4}, {u4}, {cu_type}, "
+                       f"{cu_type})", 0)
 
 
 def decode_kernel_cases(head_dims, dtypes, cc):

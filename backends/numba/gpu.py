@@ -28,3 +28,11 @@ def shared_memory_limit(device_id):
     from numba import cuda
     with cuda.gpus[device_id]:
         return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id):
+    """The GPU's multiprocessors (how many blocks of one block each run at once)."""
+    from numba import cuda
+    with cuda.gpus[device_id]:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)

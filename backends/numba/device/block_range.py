@@ -22,7 +22,7 @@ def longest_last(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def make_block_range(spec, block_m, block_n, key_bound=True):
+def make_block_range(spec, block_m, block_n, key_bound=True, tiles_along_y=False):
     """Device functions for query tiles of block_m rows and key tiles of block_n keys:
 
     key_range(m0, seqlen_q, seqlen_k) -> (n_begin, n_end): the keys query tile m0 visits
@@ -33,7 +33,8 @@ def make_block_range(spec, block_m, block_n, key_bound=True):
     is_partial(m0, n0, seqlen_q, seqlen_k) -> whether a visited tile is PARTIAL: what the
         kernels' loops ask (they visit no empty tile, and the empty test would cost them
         registers).
-    query_tile_index() -> the query tile of this block (blockIdx.x), longest first.
+    query_tile_index() -> the query tile of this block (blockIdx.x; with tiles_along_y,
+        blockIdx.y), longest first.
 
     key_bound=False (with mask.make_mask's key_bound=False): a key tile that overhangs seqlen_k
     is not partial for that alone, for kernels whose rows past seqlen_k are never stored
@@ -45,7 +46,7 @@ def make_block_range(spec, block_m, block_n, key_bound=True):
     edge to its last row's right edge, and a key tile one interval of queries.
     """
     left, right, masked = spec.window_left, spec.window_right, spec.bool_mask
-    query_tile_index = make_query_tile_index(spec)
+    query_tile_index = make_query_tile_index(spec, tiles_along_y)
 
     @cuda.jit(device=True, inline="always")
     def key_range(m0, seqlen_q, seqlen_k):
@@ -90,14 +91,17 @@ def make_block_range(spec, block_m, block_n, key_bound=True):
 
 
 @functools.lru_cache(maxsize=None)
-def make_query_tile_index(spec):
-    """query_tile_index() -> the query tile of this block (blockIdx.x), longest first."""
+def make_query_tile_index(spec, along_y=False):
+    """query_tile_index() -> the query tile of this block (blockIdx.x, or with along_y
+    blockIdx.y), longest first."""
     longest = longest_last(spec)
 
     @cuda.jit(device=True, inline="always")
     def query_tile_index():
         # When the last query tiles see the most keys they get the first block indices,
         # which the GPU starts first, so the grid ends on short blocks.
+        if along_y:
+            return cuda.gridDim.y - 1 - cuda.blockIdx.y if longest else cuda.blockIdx.y
         return cuda.gridDim.x - 1 - cuda.blockIdx.x if longest else cuda.blockIdx.x
 
     return query_tile_index
@@ -126,18 +130,18 @@ def make_query_tile_start(spec, block_m, from_end):
 
 
 @functools.lru_cache(maxsize=None)
-def make_group_walk(spec, block_m):
-    """How a dK/dV block walks the query tiles of its key tile for each query head of its GQA
-    group (spec.group heads share one key/value head) in one loop, so that the copy of the
-    next tile runs behind this one across heads too:
+def make_group_walk(spec, block_m, heads=None):
+    """How a dK/dV block walks the query tiles of its key tile for each of `heads` query heads
+    (by default its whole GQA group: spec.group heads share one key/value head) in one loop,
+    so that the copy of the next tile runs behind this one across heads too:
 
         m_stop, span = group_walk(m_begin, m_end)        # query_range's rows
         for step in range(m_begin, m_stop, block_m):
             head, m0 = walk_position(step, m_begin, span)  # the group's head, the tile's row
 
-    span is the rows one head's walk covers (a multiple of block_m); with group 1 the loop is
+    span is the rows one head's walk covers (a multiple of block_m); with one head the loop is
     range(m_begin, m_end, block_m) itself (head 0, m0 = step)."""
-    group = spec.group
+    group = spec.group if heads is None else heads
 
     @cuda.jit(device=True, inline="always")
     def group_walk(m_begin, m_end):

@@ -20,7 +20,8 @@ from .score_mod import make_score_mod
 from .softmax import grad_score, online_update, probability
 
 
-def _pack(bf16):
+def pack_pair(bf16):
+    """pack(low, high): two floats rounded to 16 bits (bf16 or float16), low in the low half."""
     return pack_bf16x2 if bf16 else pack_f16x2
 
 
@@ -174,7 +175,7 @@ def make_tile_gradients(spec, block_count, key_bound=True):
 def make_pack_chunk(bf16):
     """pack_chunk(p, sl, kc) -> the 4 uint32 A-fragment registers of keys 16·kc.. of slice sl
     of a float32 tile p (its 8-column blocks 2·kc and 2·kc + 1), rounded to 16 bits."""
-    pack = _pack(bf16)
+    pack = pack_pair(bf16)
 
     @cuda.jit(device=True, inline="always")
     def pack_chunk(p, sl, kc):
@@ -186,13 +187,13 @@ def make_pack_chunk(bf16):
 
 
 @functools.lru_cache(maxsize=None)
-def make_fragment_store(bf16, db_count):
+def make_fragment_store(bf16, db_count, float32_out=False):
     """store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi): the lane's parts of
-    rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit) from slice sl of
-    an accumulator, times the row's scale; array rows below 0 (a tile laid from the end of
-    Q, block_range.make_query_tile_start; never varlen) or at or past nrows are not
-    written."""
-    pack = _pack(bf16)
+    rows row_lo and row_lo + 8, columns col0.. of dst[b, :, h, :] (16-bit; with float32_out,
+    float32: partial sums that another kernel rounds) from slice sl of an accumulator, times
+    the row's scale; array rows below 0 (a tile laid from the end of Q,
+    block_range.make_query_tile_start; never varlen) or at or past nrows are not written."""
+    pack = pack_pair(bf16)
 
     @cuda.jit(device=True, inline="always")
     def store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi):
@@ -202,8 +203,14 @@ def make_fragment_store(bf16, db_count):
             scale = scale_hi if half else scale_lo
             if 0 <= row < nrows:
                 for db in range(db_count):
-                    word = pack(acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale)
-                    dst[b, row, h, col0 + 8 * db + 2 * t] = uint16(word & 0xFFFF)
-                    dst[b, row, h, col0 + 8 * db + 2 * t + 1] = uint16(word >> 16)
+                    col = col0 + 8 * db + 2 * t
+                    low, high = acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale
+                    if float32_out:
+                        dst[b, row, h, col] = low
+                        dst[b, row, h, col + 1] = high
+                    else:
+                        word = pack(low, high)
+                        dst[b, row, h, col] = uint16(word & 0xFFFF)
+                        dst[b, row, h, col + 1] = uint16(word >> 16)
 
     return store

@@ -1,6 +1,7 @@
 """The Hopper backward (sm_90a): D = rowsum(dO ∘ O) (device/delta.py), then the dK/dV kernel
 (bwd_dk_dv.py) and the dQ kernel (bwd_dq.py), deterministic (no atomics); P recomputed from
-Q, K and the saved lse, as every backward here."""
+Q, K and the saved lse, as every backward here. Where the dK/dV blocks are few, a GQA group
+split over blocks (grids.py) ends with the sums of its parts (device/group_sums.py)."""
 import dataclasses
 import functools
 
@@ -9,6 +10,7 @@ from numba import cuda
 
 from ..device.constants import LOG2E
 from ..device.delta import launch_delta
+from ..device.group_sums import launch_group_sums
 from ..device.intrinsics import SIMULATED
 from ..device.sequence import grid_extent
 from ..launch import kernel_extras_unused, launch
@@ -16,30 +18,42 @@ from ..tile_classes import tile_arguments
 from .bwd_dk_dv import hopper_dk_dv_kernel_function
 from .bwd_dq import hopper_dq_kernel_function
 from .config import copies_for, hopper_backward_config, hopper_backward_shared_bytes
+from .grids import backward_grid
 from .tensor_maps import MAP_COUNT, map_slots, map_templates, no_templates
 
 
-@functools.lru_cache(maxsize=None)
-def hopper_backward_kernels(config, spec):
-    """The compiled (dk_dv, dq) kernels of one HopperBackwardConfig and kernel spec."""
-    functions = (hopper_dk_dv_kernel_function(config, spec),
-                 hopper_dq_kernel_function(config, spec))
+def _compiled(function, config, spec):
     if SIMULATED:  # (the simulator takes no launch bounds)
-        return tuple(cuda.jit(f) for f in functions)
+        return cuda.jit(function)
     # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs; no disk
     # cache with a mask_mod (its key would not see mask_mod's code)
-    return tuple(cuda.jit(f, cache=spec.mask_mod is None, launch_bounds=(config.threads, 1))
-                 for f in functions)
+    return cuda.jit(function, cache=spec.mask_mod is None, launch_bounds=(config.threads, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_dk_dv_kernel(config, spec, split, keys_slowest):
+    """The compiled dK/dV kernel of one HopperBackwardConfig, kernel spec and layout."""
+    return _compiled(hopper_dk_dv_kernel_function(config, spec, split, keys_slowest), config,
+                     spec)
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_dq_kernel(config, spec, queries_slowest):
+    """The compiled dQ kernel of one HopperBackwardConfig, kernel spec and layout."""
+    return _compiled(hopper_dq_kernel_function(config, spec, queries_slowest), config, spec)
 
 
 def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream=0,
-                           config=None, extras=None, tiles=None, maps=None):
+                           config=None, extras=None, tiles=None, maps=None, multiprocessors=0,
+                           grid=None, scratch=None):
     """All 16-bit arrays are uint16 views (batch, seqlen, nheads, headdim) with contiguous,
     16-byte aligned rows, headdim the padded head dim (64 or 128); lse, delta (scratch):
     float32 (batch, nheads, seqlen_q). `extras` and `tiles` as launch_hopper_forward's;
     `maps`: the two kernels' scratch slots for their tensor maps (dK/dV's, dQ's), each as
-    launch_hopper_forward's. `config` overrides hopper_backward_config
-    (tests, tuning)."""
+    launch_hopper_forward's. `multiprocessors`: the GPU's, for the grids' layout (grids.py;
+    0: the plain layout), which `grid` (a BackwardGrid) overrides; a split group's
+    float32 parts come from scratch(shape, dtype) (default: arrays like dk's). `config`
+    overrides hopper_backward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
@@ -61,16 +75,35 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
                   dataclasses.replace(config, copy_engine=False))
         dk_dv_templates = dq_templates = no_templates(MAP_COUNT)
     dk_dv_maps, dq_maps = maps or (map_slots(lse), map_slots(lse))
-    dk_dv_kernel, dq_kernel = hopper_backward_kernels(config, spec.for_kernels(head_dim=head_dim))
+    kernel_spec = spec.for_kernels(head_dim=head_dim)
+    key_tiles, kv_heads = -(-seqlen_k // config.rows), k.shape[2]
+    query_tiles = -(-seqlen_q // config.rows)
+    grid = grid or backward_grid(spec, key_tiles, kv_heads, query_tiles, nheads, batch,
+                                 multiprocessors)
     scale = np.float32(spec.softmax_scale)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(config, head_dim)
     launch_delta(dout, out, delta, "bf16" if spec.bf16 else "f16", stream)
-    launch(dk_dv_kernel, (-(-seqlen_k // config.rows), k.shape[2], batch), config.threads,
-           stream, dk_dv_bytes, q, k, v, dout, lse, delta, dk, dv, scale_log2, scale,
-           dk_dv_maps, dk_dv_templates, *extras,
+    dk_dv_out = (dk, dv)
+    if grid.split > 1:
+        parts = tuple(k.shape[:2]) + (kv_heads * grid.split, head_dim)
+        dk_dv_out = [(scratch or _scratch_like(dk))(parts, "float32") for _ in range(2)]
+    slots = kv_heads * grid.split
+    launch(hopper_dk_dv_kernel(config, kernel_spec, grid.split, grid.keys_slowest),
+           (slots, key_tiles, batch) if grid.keys_slowest else (key_tiles, slots, batch),
+           config.threads, stream, dk_dv_bytes, q, k, v, dout, lse, delta, *dk_dv_out,
+           scale_log2, scale, dk_dv_maps, dk_dv_templates, *extras,
            *tile_arguments(tiles, lse, config.block_m, config.rows, along_keys=True))
-    launch(dq_kernel, (-(-seqlen_q // config.rows), nheads, batch), config.threads, stream,
-           dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale, dq_maps, dq_templates,
-           *extras,
+    launch(hopper_dq_kernel(config, kernel_spec, grid.queries_slowest),
+           (nheads, query_tiles, batch) if grid.queries_slowest else
+           (query_tiles, nheads, batch), config.threads, stream, dq_bytes, q, k, v, dout, lse,
+           delta, dq, scale_log2, scale, dq_maps, dq_templates, *extras,
            *tile_arguments(tiles, lse, config.rows, config.block_n))
+    if grid.split > 1:
+        launch_group_sums(spec, grid.split, *dk_dv_out, dk, dv, extras[1], extras[2], stream)
+
+
+def _scratch_like(like):
+    """Scratch for launches outside an engine (tests, tools): on the host if `like` is a NumPy
+    array (launches copy those), else Numba device arrays."""
+    return np.empty if isinstance(like, np.ndarray) else cuda.device_array

@@ -20,6 +20,9 @@ of 1 + CONSUMERS warpgroups:
     dK (times the softmax scale) and dV leave from registers.
 A mask_mod's tile table (device/mask_mod.py) narrows the query range (over the group's heads),
 and the query tiles that see no key of the tile are neither copied nor computed.
+Where blocks are few (hopper/grids.py) a block may walk a part of the group, storing float32
+partial dK and dV to its own head slot (device/group_sums.py adds them), and the key tiles
+may run along grid.y (longest first under causal).
 """
 import functools
 
@@ -46,9 +49,10 @@ from .tensor_maps import SCRATCH_WORDS, publish_maps, write_map
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_dk_dv_kernel_function(config, spec):
+def hopper_dk_dv_kernel_function(config, spec, split=1, keys_slowest=False):
     """The plain Python kernel for one HopperBackwardConfig and kernel spec
-    (AttentionSpec.for_kernels(), head_dim 64 or 128)."""
+    (AttentionSpec.for_kernels(), head_dim 64 or 128); split, keys_slowest: the grid's
+    layout (hopper/grids.py: the blocks of a key tile and key head, key tiles along grid.y)."""
     ROWS, BLOCK_M, D = config.rows, config.block_m, spec.head_dim
     CONSUMERS, STAGES = config.consumers, config.stages
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.registers
@@ -76,9 +80,11 @@ def hopper_dk_dv_kernel_function(config, spec):
     # (dK, dV rows past seqlen_k are never stored: no mask there)
     column_gradients = make_tile_gradients(spec, NQ, key_bound=False)[1]
     pack_chunk = make_pack_chunk(spec.bf16)
-    store = make_fragment_store(spec.bf16, DB)
+    SPLIT, KEYS_SLOWEST = split, keys_slowest
+    HEADS = spec.group // SPLIT  # (the query heads a block walks)
+    store = make_fragment_store(spec.bf16, DB, float32_out=SPLIT > 1)
     _, query_range, _, is_partial, _ = make_block_range(spec, BLOCK_M, ROWS, key_bound=False)
-    group_walk, walk_position = make_group_walk(spec, BLOCK_M)
+    group_walk, walk_position = make_group_walk(spec, BLOCK_M, HEADS)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, ROWS)
     score_mod = make_score_mod(spec)
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
@@ -163,17 +169,19 @@ def hopper_dk_dv_kernel_function(config, spec):
                                attn_mask, tile_classes, tile_spans, mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
-        n0 = cuda.blockIdx.x * ROWS
-        h_kv = cuda.blockIdx.y  # the key/value head; its GROUP query heads summed
+        key_tile = cuda.blockIdx.y if KEYS_SLOWEST else cuda.blockIdx.x
+        slot = cuda.blockIdx.x if KEYS_SLOWEST else cuda.blockIdx.y  # (of dk and dv's heads)
+        n0 = key_tile * ROWS
+        h_kv = slot // SPLIT  # the key/value head; HEADS query heads of its group summed
         seq = cuda.blockIdx.z
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
         if VARLEN and n0 >= seqlen_k:
             return  # (the grid is sized for the longest sequence; the whole block leaves)
         tiles = (tile_classes, tile_spans)  # (device/mask_mod.py)
         m_begin, m_end = query_range(n0, seqlen_q, seqlen_k)
-        m_begin, m_end = narrow(tiles, seq, h_kv, cuda.blockIdx.x, m_begin, m_end, BLOCK_M)
+        m_begin, m_end = narrow(tiles, seq, h_kv, key_tile, m_begin, m_end, BLOCK_M)
         m_stop, span = group_walk(m_begin, m_end)
-        h_first = h_kv * GROUP
+        h_first = h_kv * GROUP + slot % SPLIT * HEADS
 
         smem = cuda.shared.array(0, uint16)  # dynamic: K, V, Q and dO tiles
         stats = cuda.shared.array(STATS_SHAPE, float32)
@@ -282,11 +290,11 @@ def hopper_dk_dv_kernel_function(config, spec):
                     mbarrier_arrive(bars + STAGE_EMPTY + 8 * stage)  # the stage is read
                 j += 1
 
-            # Epilogue: one write of dK (times the softmax scale) and dV.
+            # Epilogue: one write of dK (times the softmax scale) and dV (or their parts).
             k_row = k_start + key_lo
-            store(dk, dk_acc, 0, b, k_row, h_kv, 0, k_start + seqlen_k, softmax_scale,
+            store(dk, dk_acc, 0, b, k_row, slot, 0, k_start + seqlen_k, softmax_scale,
                   softmax_scale)
-            store(dv, dv_acc, 0, b, k_row, h_kv, 0, k_start + seqlen_k, float32(1.0),
+            store(dv, dv_acc, 0, b, k_row, slot, 0, k_start + seqlen_k, float32(1.0),
                   float32(1.0))
 
     return flash_bwd_dk_dv_hopper

@@ -14,7 +14,7 @@ from numba_flash import _arrays
 
 from .. import marshal
 from ..engine import Engine
-from ..gpu import compute_capability, simulator_enabled
+from ..gpu import compute_capability, multiprocessors, simulator_enabled
 from ..tile_classes import call_tiles
 from .bwd import launch_hopper_backward
 from .config import hopper_backward_config, hopper_forward_config
@@ -94,7 +94,15 @@ class HopperEngine(Engine):
                                extras=kernel_extras,
                                tiles=call_tiles(spec, extras, kernel_extras, *inputs[1:3],
                                                 alloc, stream),
-                               maps=[marshal.view(alloc(MAP_SLOTS, "int64")) for _ in range(2)])
+                               maps=[marshal.view(alloc(MAP_SLOTS, "int64")) for _ in range(2)],
+                               multiprocessors=grid_multiprocessors(q),
+                               scratch=lambda shape, dtype: marshal.view(alloc(shape, dtype)))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)
+
+
+def grid_multiprocessors(q):
+    """The multiprocessors the backward lays its dK/dV grid for (hopper/grids.py): q's GPU's;
+    none under the simulator (its blocks run one after another)."""
+    return 0 if simulator_enabled() else multiprocessors(_arrays.device_id(q))

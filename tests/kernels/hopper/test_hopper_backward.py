@@ -2,12 +2,17 @@
 float64 reference: under the simulator at small sizes (a few cases: three warpgroups of
 Python threads each, every variant the engine takes among them), and with `-m gpu` on an
 sm_90 GPU at real sizes."""
+import functools
+
 import pytest
 from mma_cases import run_backward
 from mask_mods import gapped_mask
 
+from numba_flash.backends.numba.device.group_sums import launch_group_sums
 from numba_flash.backends.numba.hopper.bwd import launch_hopper_backward
 from numba_flash.backends.numba.hopper.config import HopperBackwardConfig
+from numba_flash.backends.numba.hopper.grids import BackwardGrid, backward_grid
+from numba_flash.spec import AttentionSpec
 
 # (batch, seqlen_q, seqlen_k, nheads, head_dim), kv_heads, causal, dtype, config, options
 # (each case simulates three warpgroups of Python threads through two kernels: a few cases,
@@ -55,6 +60,47 @@ def test_hopper_backward_with_masks_in_the_simulator(rng, shape, kv_heads, causa
                                                      config, options):
     run_backward(rng, shape, causal, dtype, config, kv_heads, launch=launch_hopper_backward,
                  **options)
+
+
+# the grids' layouts where blocks are few (hopper/grids.py): a GQA group split over blocks
+# (float32 parts, then their sums), tiles along grid.y or x: (batch, seqlen_q, seqlen_k,
+# nheads, head_dim), kv_heads, causal, dtype, grid, options
+SPLIT_CASES = [
+    ((1, 140, 150, 4, 64), 1, True, "bfloat16", BackwardGrid(2, True, True), {}),
+    ((4, 40, 50, 4, 64), 1, True, "float16", BackwardGrid(4, False, True),
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+    ((1, 70, 100, 2, 64), 1, False, "float16", BackwardGrid(2, True),
+     dict(mask_mod=gapped_mask)),  # each head of the group its own empty key tile
+]
+
+
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, grid, options", SPLIT_CASES,
+                         ids=[f"sim-{'x'.join(map(str, c[0]))}-split{c[4].split}"
+                              f"{'-keys-slowest' if c[4].keys_slowest else ''}"
+                              f"{'-queries-slowest' if c[4].queries_slowest else ''}"
+                              for c in SPLIT_CASES])
+def test_hopper_backward_with_a_split_group_in_the_simulator(rng, shape, kv_heads, causal,
+                                                             dtype, grid, options):
+    run_backward(rng, shape, causal, dtype, HopperBackwardConfig(32, 32), kv_heads,
+                 launch=functools.partial(launch_hopper_backward, grid=grid), **options)
+
+
+@pytest.mark.parametrize("causal, blocks, group, dq_blocks, multiprocessors, expected", [
+    # a training step's GQA at batch 1: fill the GPU
+    (True, 128, 4, 512, 132, BackwardGrid(2, True, True)),
+    (True, 40, 8, 600, 132, BackwardGrid(4, True, False)),  # the smallest split that fills it
+    (True, 40, 2, 80, 132, BackwardGrid(2, True, True)),    # the whole group, still short
+    (True, 256, 4, 1024, 132, BackwardGrid(1, True, False)),  # full already: longest first
+    (True, 1024, 4, 4096, 132, BackwardGrid(1, False, False)),  # many waves: plain grids
+    (True, 100, 1, 100, 132, BackwardGrid(1, True, True)),  # no group to split
+    (False, 60, 4, 240, 132, BackwardGrid(2, False, False)),  # the largest split in one wave
+    (False, 128, 4, 512, 132, BackwardGrid(1, False, False)),  # one wave already
+    (True, 128, 4, 512, 0, BackwardGrid(1, False, False)),    # the simulator: no layout
+])
+def test_the_backward_grids_fill_the_gpu(causal, blocks, group, dq_blocks, multiprocessors,
+                                         expected):
+    spec = AttentionSpec(64, "float16", causal=causal, group=group)
+    assert backward_grid(spec, blocks, 1, dq_blocks, 1, 1, multiprocessors) == expected
 
 
 @pytest.mark.gpu
@@ -107,3 +153,77 @@ def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
         assert 128 * (producer + 2 * consumer) <= 168 * 384
     assert HopperBackwardConfig(64, 64).registers[1] > HopperBackwardConfig(
         64, 64, wide_producer=True).registers[1]
+
+
+def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch):
+    """Through numba_flash.backward ("numba-hopper"), a GPU of more multiprocessors than the
+    dK/dV blocks gets the group split and its sums (the parts from the engine's scratch);
+    the gradients keep the accuracy rule against float64."""
+    import numpy as np
+
+    import numba_flash
+    from error_rule import assert_within_rule
+
+    from numba_flash.backends.numba.hopper import bwd, engine
+    from numba_flash.reference import attention_backward
+    from numba_flash.spec import make_spec
+    from numba_flash.testing import plain16_backward
+    sums = []
+    monkeypatch.setattr(engine, "grid_multiprocessors", lambda q: 8)
+    monkeypatch.setattr(bwd, "launch_group_sums",
+                        lambda spec, split, *args: sums.append(split) or
+                        launch_group_sums(spec, split, *args))
+    q, dout = (rng.standard_normal((1, 40, 4, 64)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 70, 1, 64)).astype(np.float16) for _ in range(2))
+    out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba-hopper")
+    grads = numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend="numba-hopper")
+    assert sums == [4]  # (one key tile, one key head: the whole group split)
+    spec = make_spec(q, k, causal=True)
+    f64 = [x.astype(np.float64) for x in (dout, q, k, v, out)]
+    wants = attention_backward(np, *f64, lse, spec, np.float64)
+    bases = plain16_backward(np, *f64, lse, spec, "float16")
+    for name, got, base, want in zip(("dq", "dk", "dv"), grads, bases, wants):
+        assert_within_rule(name, got.astype(np.float32), base, want, "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1500, 8, 2, 64), (1, 900, 8, 2, 128), (2, 700, 4, 1, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, shape):
+    """At batch 1-2 with GQA the dK/dV blocks are fewer than an H100's multiprocessors: the
+    engine splits the group (asserted through the layout it picks) and keeps the accuracy
+    rule against float64; the call's replay gives the same gradients bit for bit."""
+    import cupy as cp
+    import numpy as np
+    from numba import cuda
+
+    import numba_flash
+    from error_rule import assert_within_rule
+
+    from numba_flash.backends.numba.gpu import multiprocessors
+    from numba_flash.reference import attention_backward
+    from numba_flash.spec import make_spec
+    from numba_flash.testing import plain16_backward
+    if tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("the Hopper kernels need compute capability 9.0")
+    batch, seqlen, nheads, kv_heads, head_dim = shape
+    q, dout = (rng.standard_normal((batch, seqlen, nheads, head_dim)).astype(np.float16)
+               for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen, kv_heads, head_dim)).astype(np.float16)
+            for _ in range(2))
+    spec = make_spec(q, k, causal=True)
+    tiles = -(-seqlen // 128)
+    grid = backward_grid(spec, tiles, kv_heads, tiles, nheads, batch,
+                         multiprocessors(cp.cuda.Device().id))
+    assert grid == BackwardGrid(grid.split, True, True) and grid.split > 1
+    args = [cp.asarray(x) for x in (dout, q, k, v)]
+    out, lse = numba_flash.forward(*args[1:], causal=True, backend="numba-hopper")
+    grads = [[cp.asnumpy(g) for g in numba_flash.backward(*args, out, lse, causal=True,
+                                                          backend="numba-hopper")]
+             for _ in range(2)]
+    f64 = [x.astype(np.float64) for x in (dout, q, k, v, cp.asnumpy(out))]
+    wants = attention_backward(np, *f64, cp.asnumpy(lse), spec, np.float64)
+    bases = plain16_backward(np, *f64, cp.asnumpy(lse), spec, "float16")
+    for name, got, again, base, want in zip(("dq", "dk", "dv"), *grads, bases, wants):
+        assert_within_rule(name, got.astype(np.float32), base, want, "float16")
+        np.testing.assert_array_equal(again, got)
