@@ -321,7 +321,7 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
             cu = "int32[::1]"
             for varlen, cu_type in ((False, "float32[:, :, :]"), (True, cu)):
                 sums_spec = AttentionSpec(head_dim=head_dim, dtype=dtype, varlen=varlen)
-                yield (f"group_sums_d{head_dim}_{dtype}{'_varlen' if varlen else ''}",
+                yield (f"bwd_group_sums_d{head_dim}_{dtype}{'_varlen' if varlen else ''}",
                        group_sums_kernel_function(sums_spec, 2, head_dim),
                        f"(float32[:, :, :, :], float32[:, :, :, :], {u4}, {u4}, {cu_type}, "
                        f"{cu_type})", 0)
