@@ -80,6 +80,9 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     query_tiles = -(-seqlen_q // config.rows)
     grid = grid or backward_grid(spec, key_tiles, kv_heads, query_tiles, nheads, batch,
                                  multiprocessors)
+    if spec.group % grid.split:
+        raise ValueError(f"a split of {grid.split} does not divide the GQA group of "
+                         f"{spec.group}")
     scale = np.float32(spec.softmax_scale)
     scale_log2 = np.float32(spec.softmax_scale * float(LOG2E))
     dk_dv_bytes, dq_bytes = hopper_backward_shared_bytes(config, head_dim)

@@ -64,13 +64,16 @@ def test_hopper_backward_with_masks_in_the_simulator(rng, shape, kv_heads, causa
 
 # the grids' layouts where blocks are few (hopper/grids.py): a GQA group split over blocks
 # (float32 parts, then their sums), tiles along grid.y or x: (batch, seqlen_q, seqlen_k,
-# nheads, head_dim), kv_heads, causal, dtype, grid, options
+# nheads, head_dim), kv_heads, causal, dtype, grid, options. Two key heads where the split
+# is (their slots apart), grids not square (x and y apart).
 SPLIT_CASES = [
-    ((1, 140, 150, 4, 64), 1, True, "bfloat16", BackwardGrid(2, True, True), {}),
-    ((4, 40, 50, 4, 64), 1, True, "float16", BackwardGrid(4, False, True),
+    ((1, 140, 150, 4, 64), 2, True, "bfloat16", BackwardGrid(2, True, True), {}),
+    ((4, 40, 50, 4, 64), 2, True, "float16", BackwardGrid(2, True, True),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
+    ((4, 40, 50, 4, 64), 1, True, "float16", BackwardGrid(4, False, True),
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),
     ((1, 70, 100, 2, 64), 1, False, "float16", BackwardGrid(2, True),
-     dict(mask_mod=gapped_mask)),  # each head of the group its own empty key tile
+     dict(mask_mod=gapped_mask)),  # (its query heads' tables differ)
 ]
 
 
@@ -81,8 +84,23 @@ SPLIT_CASES = [
                               for c in SPLIT_CASES])
 def test_hopper_backward_with_a_split_group_in_the_simulator(rng, shape, kv_heads, causal,
                                                              dtype, grid, options):
+    import numpy as np
+
+    def poisoned(shape, dtype):  # (a part no block writes would reach the sums as NaN)
+        return np.full(shape, np.nan, dtype)
     run_backward(rng, shape, causal, dtype, HopperBackwardConfig(32, 32), kv_heads,
-                 launch=functools.partial(launch_hopper_backward, grid=grid), **options)
+                 launch=functools.partial(launch_hopper_backward, grid=grid,
+                                          scratch=poisoned), **options)
+
+
+def test_a_split_that_does_not_divide_the_group_is_refused():
+    import numpy as np
+    spec = AttentionSpec(64, "float16", softmax_scale=0.1, group=4)
+    q, kv = np.zeros((1, 16, 4, 64), np.uint16), np.zeros((1, 16, 1, 64), np.uint16)
+    lse = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="a split of 3 does not divide the GQA group of 4"):
+        launch_hopper_backward(spec, q, q, kv, kv, q, lse, lse, q, kv, kv,
+                               grid=BackwardGrid(3))
 
 
 @pytest.mark.parametrize("causal, blocks, group, dq_blocks, multiprocessors, expected", [
@@ -189,10 +207,11 @@ def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1500, 8, 2, 64), (1, 900, 8, 2, 128), (2, 700, 4, 1, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, shape):
+def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, monkeypatch, shape):
     """At batch 1-2 with GQA the dK/dV blocks are fewer than an H100's multiprocessors: the
-    engine splits the group (asserted through the layout it picks) and keeps the accuracy
-    rule against float64; the call's replay gives the same gradients bit for bit."""
+    engine splits the group (its sums launched; the layout as grids.py picks it) and keeps
+    the accuracy rule against float64; the call's replay gives the same gradients bit for
+    bit."""
     import cupy as cp
     import numpy as np
     from numba import cuda
@@ -201,6 +220,7 @@ def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, shape):
     from error_rule import assert_within_rule
 
     from numba_flash.backends.numba.gpu import multiprocessors
+    from numba_flash.backends.numba.hopper import bwd
     from numba_flash.reference import attention_backward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward
@@ -216,11 +236,16 @@ def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, shape):
     grid = backward_grid(spec, tiles, kv_heads, tiles, nheads, batch,
                          multiprocessors(cp.cuda.Device().id))
     assert grid == BackwardGrid(grid.split, True, True) and grid.split > 1
+    sums = []
+    monkeypatch.setattr(bwd, "launch_group_sums",
+                        lambda spec, split, *args: sums.append(split) or
+                        launch_group_sums(spec, split, *args))
     args = [cp.asarray(x) for x in (dout, q, k, v)]
     out, lse = numba_flash.forward(*args[1:], causal=True, backend="numba-hopper")
     grads = [[cp.asnumpy(g) for g in numba_flash.backward(*args, out, lse, causal=True,
                                                           backend="numba-hopper")]
              for _ in range(2)]
+    assert sums == [grid.split]  # (the first call's; the second is its replay)
     f64 = [x.astype(np.float64) for x in (dout, q, k, v, cp.asnumpy(out))]
     wants = attention_backward(np, *f64, cp.asnumpy(lse), spec, np.float64)
     bases = plain16_backward(np, *f64, cp.asnumpy(lse), spec, "float16")
