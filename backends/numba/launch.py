@@ -358,6 +358,16 @@ def prepare(kernel, grid, block, shared_bytes, args, device):
 _HOST_UNUSED = np.zeros(1, np.int32)
 
 
+def scratch_like(like):
+    """alloc(shape, dtype) for scratch of launches outside an engine (tests, tools): zeroed
+    NumPy arrays if `like` is one (launches copy those), else Numba device arrays (the
+    engines allocate scratch as they do their other arrays)."""
+    if isinstance(like, np.ndarray):
+        return np.zeros
+    from numba import cuda
+    return cuda.device_array
+
+
 def kernel_extras_unused(unused):
     """The attention kernels' last four arguments (alibi_slopes, cu_seqlens_q, cu_seqlens_k,
     attn_mask) for a call that has none of them: each takes `unused`, a device array the

@@ -20,8 +20,7 @@ from .score_mod import make_score_mod
 from .softmax import grad_score, online_update, probability
 
 
-def pack_pair(bf16):
-    """pack(low, high): two floats rounded to 16 bits (bf16 or float16), low in the low half."""
+def _pack(bf16):
     return pack_bf16x2 if bf16 else pack_f16x2
 
 
@@ -175,7 +174,7 @@ def make_tile_gradients(spec, block_count, key_bound=True):
 def make_pack_chunk(bf16):
     """pack_chunk(p, sl, kc) -> the 4 uint32 A-fragment registers of keys 16·kc.. of slice sl
     of a float32 tile p (its 8-column blocks 2·kc and 2·kc + 1), rounded to 16 bits."""
-    pack = pack_pair(bf16)
+    pack = _pack(bf16)
 
     @cuda.jit(device=True, inline="always")
     def pack_chunk(p, sl, kc):
@@ -193,7 +192,7 @@ def make_fragment_store(bf16, db_count, float32_out=False):
     float32: partial sums that another kernel rounds) from slice sl of an accumulator, times
     the row's scale; array rows below 0 (a tile laid from the end of Q,
     block_range.make_query_tile_start; never varlen) or at or past nrows are not written."""
-    pack = pack_pair(bf16)
+    store_pair = make_pair_store(bf16, float32_out)
 
     @cuda.jit(device=True, inline="always")
     def store(dst, acc, sl, b, row_lo, h, col0, nrows, scale_lo, scale_hi):
@@ -203,14 +202,26 @@ def make_fragment_store(bf16, db_count, float32_out=False):
             scale = scale_hi if half else scale_lo
             if 0 <= row < nrows:
                 for db in range(db_count):
-                    col = col0 + 8 * db + 2 * t
-                    low, high = acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale
-                    if float32_out:
-                        dst[b, row, h, col] = low
-                        dst[b, row, h, col + 1] = high
-                    else:
-                        word = pack(low, high)
-                        dst[b, row, h, col] = uint16(word & 0xFFFF)
-                        dst[b, row, h, col + 1] = uint16(word >> 16)
+                    store_pair(dst, b, row, h, col0 + 8 * db + 2 * t,
+                               acc[sl, db, 2 * half] * scale, acc[sl, db, 2 * half + 1] * scale)
 
     return store
+
+
+@functools.lru_cache(maxsize=None)
+def make_pair_store(bf16, float32_out=False):
+    """store_pair(dst, b, row, h, col, low, high): dst[b, row, h, col] = low and [..., col + 1]
+    = high, rounded to 16-bit patterns (bf16 or float16), or with float32_out as float32."""
+    pack = _pack(bf16)
+
+    @cuda.jit(device=True, inline="always")
+    def store_pair(dst, b, row, h, col, low, high):
+        if float32_out:
+            dst[b, row, h, col] = low
+            dst[b, row, h, col + 1] = high
+        else:
+            word = pack(low, high)
+            dst[b, row, h, col] = uint16(word & 0xFFFF)
+            dst[b, row, h, col + 1] = uint16(word >> 16)
+
+    return store_pair

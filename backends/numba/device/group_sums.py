@@ -3,12 +3,12 @@ each key/value head's dK and dV from its float32 parts, added in a fixed order (
 ...) and rounded once to 16 bits, so that the result does not depend on the blocks' order."""
 import functools
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32
 
 from numba_flash.spec import AttentionSpec
 
 from ..launch import launch
-from .fragments import pack_pair
+from .fragments import make_pair_store
 from .sequence import grid_extent, make_sequence
 
 GROUP_SUM_THREADS = 128
@@ -19,9 +19,9 @@ GROUP_SUM_ROWS = 16
 @functools.lru_cache(maxsize=None)
 def group_sums_kernel_function(spec, split, head_dim):
     """dk[b, row, h] = sum over p < split of dk_parts[b, row, h · split + p] (dv likewise),
-    16-bit patterns out, head_dim columns (even)."""
+    16-bit patterns out, head_dim columns (even, at most 2 · GROUP_SUM_THREADS)."""
     PAIRS = head_dim // 2
-    pack = pack_pair(spec.bf16)
+    store_pair = make_pair_store(spec.bf16)
     sequence = make_sequence(spec)
 
     @cuda.jit(device=True, inline="always")
@@ -30,9 +30,7 @@ def group_sums_kernel_function(spec, split, head_dim):
         for p in range(split):
             low += parts[b, row, h * split + p, col]
             high += parts[b, row, h * split + p, col + 1]
-        word = pack(low, high)
-        dst[b, row, h, col] = uint16(word & 0xFFFF)
-        dst[b, row, h, col + 1] = uint16(word >> 16)
+        store_pair(dst, b, row, h, col, low, high)
 
     def flash_bwd_group_sums(dk_parts, dv_parts, dk, dv, cu_seqlens_q, cu_seqlens_k):
         h = cuda.blockIdx.y
@@ -59,9 +57,6 @@ def launch_group_sums(spec, split, dk_parts, dv_parts, dk, dv, cu_seqlens_q, cu_
     (batch, seqlen_k, kv_heads · split, head_dim: float32), on `stream`; varlen's sequences
     from cu_seqlens_k (cu_seqlens_q: the kernels' placeholder where not varlen)."""
     _, _, kv_heads, head_dim = dk.shape
-    if head_dim % 2 or head_dim // 2 > GROUP_SUM_THREADS:
-        raise ValueError(f"the group sums take an even head_dim up to "
-                         f"{2 * GROUP_SUM_THREADS}; got {head_dim}")
     seqlen_k, sequences = grid_extent(spec, dk, cu_seqlens_k, 1)
     grid = (-(-seqlen_k // GROUP_SUM_ROWS), kv_heads, sequences)
     # (keyed on what the sums depend on: the 16-bit type and varlen, not the call's variants)

@@ -13,7 +13,7 @@ from ..device.delta import launch_delta
 from ..device.group_sums import launch_group_sums
 from ..device.intrinsics import SIMULATED
 from ..device.sequence import grid_extent
-from ..launch import kernel_extras_unused, launch
+from ..launch import kernel_extras_unused, launch, scratch_like
 from ..tile_classes import tile_arguments
 from .bwd_dk_dv import hopper_dk_dv_kernel_function
 from .bwd_dq import hopper_dq_kernel_function
@@ -52,7 +52,7 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     `maps`: the two kernels' scratch slots for their tensor maps (dK/dV's, dQ's), each as
     launch_hopper_forward's. `multiprocessors`: the GPU's, for the grids' layout (grids.py;
     0: the plain layout), which `grid` (a BackwardGrid) overrides; a split group's
-    float32 parts come from scratch(shape, dtype) (default: arrays like dk's). `config`
+    float32 parts come from scratch(shape, dtype) (default: launch.scratch_like(dk)). `config`
     overrides hopper_backward_config (tests, tuning)."""
     _, _, nheads, head_dim = q.shape
     extras = extras or kernel_extras_unused(lse)
@@ -90,7 +90,7 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     dk_dv_out = (dk, dv)
     if grid.split > 1:
         parts = tuple(k.shape[:2]) + (kv_heads * grid.split, head_dim)
-        dk_dv_out = [(scratch or _scratch_like(dk))(parts, "float32") for _ in range(2)]
+        dk_dv_out = [(scratch or scratch_like(dk))(parts, "float32") for _ in range(2)]
     slots = kv_heads * grid.split
     launch(hopper_dk_dv_kernel(config, kernel_spec, grid.split, grid.keys_slowest),
            (slots, key_tiles, batch) if grid.keys_slowest else (key_tiles, slots, batch),
@@ -104,9 +104,3 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
            *tile_arguments(tiles, lse, config.rows, config.block_n))
     if grid.split > 1:
         launch_group_sums(spec, grid.split, *dk_dv_out, dk, dv, extras[1], extras[2], stream)
-
-
-def _scratch_like(like):
-    """Scratch for launches outside an engine (tests, tools): on the host if `like` is a NumPy
-    array (launches copy those), else Numba device arrays."""
-    return np.empty if isinstance(like, np.ndarray) else cuda.device_array

@@ -14,6 +14,7 @@ from numba import cuda
 from ..device.intrinsics import (MAP_WORDS, TensorMapRefused, global_address, map_slot,
                                  syncwarp, tensor_map_address, tensor_map_publish,
                                  tensor_map_store, tensor_map_template)
+from ..launch import scratch_like
 
 #: the maps of one kernel: the forward's q, k, v; each backward kernel's q, dout, k, v
 MAP_COUNT = 4
@@ -30,12 +31,8 @@ def no_templates(count):
 
 
 def map_slots(like):
-    """A scratch array for the maps of one kernel of a call: on the host if `like` is a NumPy
-    array (launches copy those), else a Numba device array (tests and tools; the engines
-    allocate the slots as they do other scratch)."""
-    if isinstance(like, np.ndarray):
-        return np.zeros(MAP_SLOTS, np.int64)
-    return cuda.device_array(MAP_SLOTS, np.int64)
+    """A scratch array for the maps of one kernel of a call (launch.scratch_like's)."""
+    return scratch_like(like)(MAP_SLOTS, np.int64)
 
 
 def map_templates(arrays_and_rows):
