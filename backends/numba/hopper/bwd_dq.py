@@ -46,9 +46,9 @@ from .turns import give_turn, open_turns, take_turn
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_dq_kernel_function(config, spec, tiles_slowest=False):
+def hopper_dq_kernel_function(config, spec, queries_slowest=False):
     """The plain Python kernel for one HopperBackwardConfig and kernel spec
-    (AttentionSpec.for_kernels(), head_dim 64 or 128); tiles_slowest: the query tiles along
+    (AttentionSpec.for_kernels(), head_dim 64 or 128); queries_slowest: the query tiles along
     grid.y, the heads along grid.x (hopper/grids.py)."""
     ROWS, BLOCK_N, D = config.rows, config.block_n, spec.head_dim
     CONSUMERS, STAGES = config.consumers, config.stages
@@ -75,7 +75,7 @@ def hopper_dq_kernel_function(config, spec, tiles_slowest=False):
     pack_chunk = make_pack_chunk(spec.bf16)
     store = make_fragment_store(spec.bf16, DB)
     key_range, _, _, is_partial, query_tile_index = make_block_range(
-        spec, ROWS, BLOCK_N, tiles_along_y=tiles_slowest)
+        spec, ROWS, BLOCK_N, tiles_along_y=queries_slowest)
     narrow, mod_class = make_tile_table(spec, ROWS, BLOCK_N)
     next_key_tile = make_next_key_tile(spec, ROWS, BLOCK_N)
     score_mod = make_score_mod(spec)
@@ -196,7 +196,7 @@ def hopper_dq_kernel_function(config, spec, tiles_slowest=False):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
         m0 = query_tile_index() * ROWS
-        h = cuda.blockIdx.x if tiles_slowest else cuda.blockIdx.y
+        h = cuda.blockIdx.x if queries_slowest else cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
         seq = cuda.blockIdx.z
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)

@@ -173,7 +173,20 @@ def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
         64, 64, wide_producer=True).registers[1]
 
 
-def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch):
+@pytest.fixture
+def sums(monkeypatch):
+    """The splits of the group sums the backward launches (each launch's split, in order)."""
+    from numba_flash.backends.numba.hopper import bwd
+    launched = []
+
+    def spy(spec, split, *args):
+        launched.append(split)
+        launch_group_sums(spec, split, *args)
+    monkeypatch.setattr(bwd, "launch_group_sums", spy)
+    return launched
+
+
+def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch, sums):
     """Through numba_flash.backward ("numba-hopper"), a GPU of more multiprocessors than the
     dK/dV blocks gets the group split and its sums (the parts from the engine's scratch);
     the gradients keep the accuracy rule against float64."""
@@ -182,15 +195,11 @@ def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch):
     import numba_flash
     from error_rule import assert_within_rule
 
-    from numba_flash.backends.numba.hopper import bwd, engine
+    from numba_flash.backends.numba.hopper import engine
     from numba_flash.reference import attention_backward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward
-    sums = []
     monkeypatch.setattr(engine, "grid_multiprocessors", lambda q: 8)
-    monkeypatch.setattr(bwd, "launch_group_sums",
-                        lambda spec, split, *args: sums.append(split) or
-                        launch_group_sums(spec, split, *args))
     q, dout = (rng.standard_normal((1, 40, 4, 64)).astype(np.float16) for _ in range(2))
     k, v = (rng.standard_normal((1, 70, 1, 64)).astype(np.float16) for _ in range(2))
     out, lse = numba_flash.forward(q, k, v, causal=True, backend="numba-hopper")
@@ -207,7 +216,7 @@ def test_the_engine_splits_a_short_gqa_grid(rng, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1500, 8, 2, 64), (1, 900, 8, 2, 128), (2, 700, 4, 1, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, monkeypatch, shape):
+def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, sums, shape):
     """At batch 1-2 with GQA the dK/dV blocks are fewer than an H100's multiprocessors: the
     engine splits the group (its sums launched; the layout as grids.py picks it) and keeps
     the accuracy rule against float64; the call's replay gives the same gradients bit for
@@ -220,7 +229,6 @@ def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, monkeypatch, shape):
     from error_rule import assert_within_rule
 
     from numba_flash.backends.numba.gpu import multiprocessors
-    from numba_flash.backends.numba.hopper import bwd
     from numba_flash.reference import attention_backward
     from numba_flash.spec import make_spec
     from numba_flash.testing import plain16_backward
@@ -236,10 +244,6 @@ def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, monkeypatch, shape):
     grid = backward_grid(spec, tiles, kv_heads, tiles, nheads, batch,
                          multiprocessors(cp.cuda.Device().id))
     assert grid == BackwardGrid(grid.split, True, True) and grid.split > 1
-    sums = []
-    monkeypatch.setattr(bwd, "launch_group_sums",
-                        lambda spec, split, *args: sums.append(split) or
-                        launch_group_sums(spec, split, *args))
     args = [cp.asarray(x) for x in (dout, q, k, v)]
     out, lse = numba_flash.forward(*args[1:], causal=True, backend="numba-hopper")
     grads = [[cp.asnumpy(g) for g in numba_flash.backward(*args, out, lse, causal=True,
