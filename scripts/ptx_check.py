@@ -281,6 +281,12 @@ def hopper_kernel_cases(head_dims, dtypes, variants=False):
                 yield (f"hopper_forward_{tag}", hopper_forward_kernel_function(config, spec),
                        f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32, {MAPS}{extras})",
                        hopper_forward_shared_bytes(config, head_dim), (config.threads, 1))
+                if spec.causal:  # (few waves: the query tiles along grid.y; hopper/grids.py)
+                    yield (f"hopper_forward_{tag}_queries_slowest",
+                           hopper_forward_kernel_function(config, spec, True),
+                           f"({u4}, {u4}, {u4}, {u4}, float32[:, :, :], float32, {MAPS}"
+                           f"{extras})", hopper_forward_shared_bytes(config, head_dim),
+                           (config.threads, 1))
                 if kind == "masked":  # (a boolean mask takes the plain tiles: config.py)
                     bool_spec = AttentionSpec(head_dim=head_dim, dtype=dtype,
                                               attn_mask="bool", **BOOL_MASKED)

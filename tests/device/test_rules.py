@@ -92,29 +92,33 @@ def test_tile_ranges_and_classes_cover_exactly_the_visible_pairs(seqlen_q, seqle
             assert (m_begin <= m0 < m_end) == seen, (m0, n0)
 
 
-def _query_tile_starts(spec, block_m, from_end, seqlen_q):
-    """The first row of each block's query tile, from a grid of ceil(seqlen_q / block_m)."""
-    query_tile_start = make_query_tile_start(spec, block_m, from_end)
+def _query_tile_starts(spec, block_m, from_end, along_y, seqlen_q):
+    """The first row of each block's query tile, from a grid of ceil(seqlen_q / block_m)
+    tiles along x (or along_y: y) and three heads along the other axis."""
+    query_tile_start = make_query_tile_start(spec, block_m, from_end, along_y)
 
     @cuda.jit
     def starts(out):
-        out[cuda.blockIdx.x] = query_tile_start(seqlen_q)
+        head, tile = ((cuda.blockIdx.x, cuda.blockIdx.y) if along_y else
+                      (cuda.blockIdx.y, cuda.blockIdx.x))
+        out[head, tile] = query_tile_start(seqlen_q)
 
-    out = np.full(-(-seqlen_q // block_m), -10**6, np.int64)
-    starts[out.size, 1](out)
-    return out
+    out = np.full((3, -(-seqlen_q // block_m)), -10**6, np.int64)
+    starts[out.shape if along_y else out.shape[::-1], 1](out)
+    assert (out == out[0]).all()  # (every head's blocks alike)
+    return out[0]
 
 
 @settings(max_examples=30, deadline=None)
-@given(**SIZES, from_end=st.booleans())
+@given(**SIZES, from_end=st.booleans(), along_y=st.booleans())
 def test_query_tiles_cover_every_row_once_and_see_all_their_keys(seqlen_q, seqlen_k, block_m,
                                                                  block_n, causal, window,
-                                                                 from_end):
-    """Laid from the end of Q (causal alone, from_end) or from row 0, the tiles cover each
-    row once, the longest first, and the key range of a tile that starts below row 0 still
-    holds every key its rows inside Q see."""
+                                                                 from_end, along_y):
+    """Laid from the end of Q (causal alone, from_end) or from row 0, along grid.x or y, the
+    tiles cover each row once, the longest first, and the key range of a tile that starts
+    below row 0 still holds every key its rows inside Q see."""
     spec = _spec(causal, window)
-    starts = _query_tile_starts(spec, block_m, from_end, seqlen_q)
+    starts = _query_tile_starts(spec, block_m, from_end, along_y, seqlen_q)
     causal_alone = longest_last(spec)
     first = seqlen_q - starts.size * block_m if from_end and causal_alone else 0
     expected = range(first, seqlen_q, block_m)

@@ -141,7 +141,9 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
         found["hopper_forward_d128_causal_f16"]["wgmma.mma_async"]
     # where blocks are few (hopper/grids.py): a split group's dK/dV kernel, the tiles along
     # grid.y, and the sums of the parts
-    for name in ("hopper_bwd_dk_dv_d128_variants_bf16_split2_keys_slowest",
+    for name in ("hopper_forward_d64_causal_f16_queries_slowest",
+                 "hopper_forward_d128_mask_mod_bf16_queries_slowest",
+                 "hopper_bwd_dk_dv_d128_variants_bf16_split2_keys_slowest",
                  "hopper_bwd_dk_dv_d64_causal_f16_split1_keys_slowest",
                  "hopper_bwd_dq_d64_causal_f16_queries_slowest",
                  "bwd_group_sums_d128_bfloat16_varlen"):

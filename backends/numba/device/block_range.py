@@ -108,22 +108,23 @@ def make_query_tile_index(spec, along_y=False):
 
 
 @functools.lru_cache(maxsize=None)
-def make_query_tile_start(spec, block_m, from_end):
+def make_query_tile_start(spec, block_m, from_end, along_y=False):
     """query_tile_start(seqlen_q) -> the first row of this block's query tile (a grid of
-    ceil(seqlen_q / block_m) tiles, longest first).
+    ceil(seqlen_q / block_m) tiles along grid.x, or with along_y grid.y, longest first).
 
     from_end (for kernels that read rows below 0 as zeros and store none of them): under
     causal alone the tiles are laid from the end of Q, so that the one tile that overhangs
     is the first, which sees the fewest keys, rather than the last, which sees them all
     (at seqlen 4096 and 192-row tiles its 128 rows of padding were 6 % of the causal work)."""
-    query_tile_index = make_query_tile_index(spec)
+    query_tile_index = make_query_tile_index(spec, along_y)
     FROM_END = from_end and longest_last(spec)
 
     @cuda.jit(device=True, inline="always")
     def query_tile_start(seqlen_q):
         m0 = query_tile_index() * block_m
         if FROM_END:
-            return m0 - (cuda.gridDim.x * block_m - seqlen_q)
+            tiles = cuda.gridDim.y if along_y else cuda.gridDim.x
+            return m0 - (tiles * block_m - seqlen_q)
         return m0
 
     return query_tile_start

@@ -71,10 +71,12 @@ class HopperEngine(Engine):
         tiles = call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc, stream)
         maps = marshal.view(alloc(MAP_SLOTS, "int64"))
         # (before the tile tables are built: they are built for the chosen tiles)
+        sms = grid_multiprocessors(q)
         config = mask_mod_forward_config(spec, *inputs, out_view, lse_view, kernel_extras,
-                                         tiles, maps)
+                                         tiles, maps, sms)
         launch_hopper_forward(spec, *inputs, out_view, lse_view, stream, config=config,
-                              extras=kernel_extras, tiles=tiles, maps=maps)
+                              extras=kernel_extras, tiles=tiles, maps=maps,
+                              multiprocessors=sms)
         if out_final is not None:
             marshal.copy_padded(out_view, out_final, stream)
 
@@ -103,6 +105,6 @@ class HopperEngine(Engine):
 
 
 def grid_multiprocessors(q):
-    """The multiprocessors the backward lays its dK/dV grid for (hopper/grids.py): q's GPU's;
+    """The multiprocessors the kernels lay their grids for (hopper/grids.py): q's GPU's;
     none under the simulator (its blocks run one after another)."""
     return 0 if simulator_enabled() else multiprocessors(_arrays.device_id(q))

@@ -29,9 +29,10 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     consumers skip the same ones, so the pipeline's stages count visited tiles). Under causal
     alone (no window, mask_mod or attn_mask; not varlen) the copy engine's query tiles are
     laid from the end of Q: the one that overhangs is the first, whose rows below 0 arrive
-    as zeros and are not stored. GQA: the
-    block of query head h reads key/value head h // group; varlen: grid.z runs over the
-    packed sequences (device/sequence.py).
+    as zeros and are not stored. Under causal a grid of few waves has its query tiles along
+    grid.y and heads along grid.x, so that the longest blocks of every head start first
+    (grids.py). GQA: the block of query head h reads key/value head h // group; varlen:
+    grid.z runs over the packed sequences (device/sequence.py).
 Inputs and outputs are 16-bit patterns (uint16 views of float16 or bfloat16 data); lse is
 float32.
 """
@@ -58,6 +59,7 @@ from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import (WARPGROUP, copies_for, hopper_forward_config, hopper_forward_shared_bytes,
                      tile_bytes)
+from .grids import tiles_slowest
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
@@ -68,9 +70,9 @@ from .turns import give_turn, open_turns, take_turn
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_forward_kernel_function(config, spec):
+def hopper_forward_kernel_function(config, spec, queries_slowest=False):
     """The plain Python kernel for one HopperConfig and kernel spec (AttentionSpec.for_kernels(),
-    head_dim a multiple of 16)."""
+    head_dim a multiple of 16); queries_slowest: the query tiles along grid.y (grids.py)."""
     if spec.head_dim % 16 or config.block_n % 16:
         raise ValueError("head_dim and block_n must be multiples of 16")
     BLOCK_M, BLOCK_N, D = config.block_m, config.block_n, spec.head_dim
@@ -103,7 +105,7 @@ def hopper_forward_kernel_function(config, spec):
     # end of Q (a mask_mod's tile tables and an attn_mask are indexed from row 0).
     query_tile_start = make_query_tile_start(spec, BLOCK_M, COPY_ENGINE and not spec.varlen
                                              and spec.mask_mod is None
-                                             and spec.attn_mask is None)
+                                             and spec.attn_mask is None, queries_slowest)
     narrow, mod_class = make_tile_table(spec, BLOCK_M, BLOCK_N)
     next_key_tile = make_next_key_tile(spec, BLOCK_M, BLOCK_N)
     score_mod = make_score_mod(spec)
@@ -225,7 +227,7 @@ def hopper_forward_kernel_function(config, spec):
                              mod_arrays):
         tid = cuda.threadIdx.x
         warpgroup = tid // WARPGROUP
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.x if queries_slowest else cuda.blockIdx.y
         h_kv = h // GROUP  # the key/value head of this query head (GQA)
         seq = cuda.blockIdx.z
         b, q_start, seqlen_q, k_start, seqlen_k = sequence(seq, q, k, cu_seqlens_q, cu_seqlens_k)
@@ -352,8 +354,8 @@ def hopper_forward_kernel_function(config, spec):
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_forward_kernel(config, spec):
-    function = hopper_forward_kernel_function(config, spec)
+def hopper_forward_kernel(config, spec, queries_slowest=False):
+    function = hopper_forward_kernel_function(config, spec, queries_slowest)
     if SIMULATED:  # (the simulator takes no launch bounds)
         return cuda.jit(function)
     # launch_bounds=(threads, 1): the register cap at entry that setmaxnreg needs; no disk
@@ -362,7 +364,7 @@ def hopper_forward_kernel(config, spec):
 
 
 def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras=None,
-                          tiles=None, maps=None):
+                          tiles=None, maps=None, multiprocessors=0):
     """q, k, v, out: uint16 views (batch, seqlen, nheads, headdim) of f16/bf16 data, last dim
     contiguous and rows 16-byte aligned, headdim the padded head dim the spec's kernels run
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
@@ -370,16 +372,16 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     tile tables (tile_classes.py); `maps`: a scratch int64 array of this call, of shape
     tensor_maps.MAP_SLOTS, for the copy engine's tensor maps, never shared with a launch that
     may run at the same time (made here if not given: a NumPy array for host inputs, else a
-    Numba device array).
-    `config` overrides hopper_forward_config (the engine's choice: key_tiles.py; tests,
-    tuning)."""
+    Numba device array). `multiprocessors`: the GPU's, for the grid's layout (grids.py; 0:
+    the plain layout). `config` overrides hopper_forward_config (the engine's choice:
+    key_tiles.py; tests, tuning)."""
     _, kernel, grid, threads, shared_bytes, args = hopper_forward_launch(
-        spec, q, k, v, out, lse, config, extras, tiles, maps)
+        spec, q, k, v, out, lse, config, extras, tiles, maps, multiprocessors)
     launch(kernel, grid, threads, stream, shared_bytes, *args)
 
 
 def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, tiles=None,
-                          maps=None):
+                          maps=None, multiprocessors=0):
     """What launch_hopper_forward launches: (config, kernel, grid, threads, dynamic shared
     bytes, arguments), config as the launch takes it (cp.async where the maps are refused)."""
     _, _, nheads, head_dim = q.shape
@@ -398,8 +400,11 @@ def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, til
         templates = no_templates(3)
     if maps is None:
         maps = map_slots(lse)
-    kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim))
-    grid = (-(-seqlen_q // config.block_m), nheads, batch)
+    query_tiles = -(-seqlen_q // config.block_m)
+    queries_slowest = tiles_slowest(spec, query_tiles * nheads * batch, multiprocessors)
+    kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim), queries_slowest)
+    grid = ((nheads, query_tiles, batch) if queries_slowest else
+            (query_tiles, nheads, batch))
     return (config, kernel, grid, config.threads, hopper_forward_shared_bytes(config, head_dim),
             (q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), maps, templates,
              *extras, *tile_arguments(tiles, lse, config.block_m, config.block_n)))

@@ -1,4 +1,4 @@
-"""How the backward's blocks are laid on their grids when they are few.
+"""How the blocks are laid on their grids when they are few.
 
 A dK/dV block owns a key tile of one key/value head and walks the query tiles of every query
 head of its GQA group, so a call has key tiles × kv heads × batch blocks: at batch 1 with GQA
@@ -13,7 +13,7 @@ after the previous head's short ones, and the grid ends on long blocks. Two reme
   key head's slots in a fixed order and rounds once, so the result does not depend on which
   block ran first (the backward stays deterministic);
 - tiles slowest: tiles along grid.y and heads (slots) along grid.x, so that blocks start
-  longest first across heads.
+  longest first across heads. The forward's query tiles too: its last tiles see the most keys.
 
 Both cost something where blocks are many (the sums' traffic; blocks running together over
 more heads' tiles than L2 keeps near: a longest-first order over sections of heads lost
@@ -54,6 +54,11 @@ def backward_grid(spec, key_tiles, kv_heads, query_tiles, nheads, batch, multipr
             split = parts
             if blocks * parts >= multiprocessors:
                 break
-    few = LONGEST_FIRST_WAVES * multiprocessors
-    return BackwardGrid(split, spec.causal and blocks * split <= few,
-                        spec.causal and query_tiles * nheads * batch <= few)
+    return BackwardGrid(split, tiles_slowest(spec, blocks * split, multiprocessors),
+                        tiles_slowest(spec, query_tiles * nheads * batch, multiprocessors))
+
+
+def tiles_slowest(spec, blocks, multiprocessors):
+    """Whether a grid of `blocks` blocks (one per multiprocessor) lays its tiles along grid.y:
+    under causal, within LONGEST_FIRST_WAVES."""
+    return spec.causal and blocks <= LONGEST_FIRST_WAVES * multiprocessors

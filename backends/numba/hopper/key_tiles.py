@@ -15,7 +15,7 @@ from .config import mask_mod_wide_forward_config
 from .fwd import hopper_forward_launch
 
 
-def mask_mod_forward_config(spec, q, k, v, out, lse, extras, tiles, maps):
+def mask_mod_forward_config(spec, q, k, v, out, lse, extras, tiles, maps, multiprocessors=0):
     """The Hopper forward's config for a call (launch_hopper_forward's arguments; tiles: a
     mask_mod's TileTables, else None): mask_mod_wide_forward_config's where its kernel
     compiles without local memory for this call, else None: hopper_forward_config's (always
@@ -25,7 +25,8 @@ def mask_mod_forward_config(spec, q, k, v, out, lse, extras, tiles, maps):
         return None
     # (typed with the tile tables' stand-ins: none is built before the choice)
     launched, kernel, _, _, _, args = hopper_forward_launch(spec, q, k, v, out, lse, wide,
-                                                            extras, tiles.stand_ins(), maps)
+                                                            extras, tiles.stand_ins(), maps,
+                                                            multiprocessors)
     # (its maps refused: cp.async, whose tiles the mask_mod table says)
     clean = launched.copy_engine and local_memory(kernel, argument_types(args),
                                                   tiles.device) == 0

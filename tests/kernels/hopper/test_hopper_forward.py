@@ -4,6 +4,8 @@ cp.async; three
 warpgroups of Python threads, so a few cases, with every variant the engine takes), and with
 `-m gpu` on an sm_90 GPU at real sizes (the variants at real sizes: through the API,
 tests/variants/test_gpu_variants.py, whose "numba" takes this kernel there)."""
+import functools
+
 import numpy as np
 import pytest
 from mma_cases import run_forward
@@ -13,6 +15,7 @@ from numba_flash.backends.numba.hopper.config import (HopperConfig, copies_for,
                                                       hopper_backward_config,
                                                       hopper_forward_config)
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
+                                                   hopper_forward_launch,
                                                    launch_hopper_forward)
 from numba_flash.backends.numba.hopper.tensor_maps import map_templates
 from numba_flash.spec import AttentionSpec
@@ -47,6 +50,15 @@ MASK_CASES = [
     ((1, 70, 150, 2, 64), 1, True, "float16", HopperConfig(128), dict(attn_mask="bool")),
 ]
 
+# under causal, grids of few waves with their query tiles along grid.y and heads along x
+# (grids.py; a large multiprocessor count makes these grids few): tiles from the end of Q (the
+# copy engine), from row 0 (a mask_mod's tables; cp.async), GQA; grids not square
+ORDER_CASES = [
+    ((1, 130, 100, 3, 64), 1, True, "float16", HopperConfig(32), {}),
+    ((1, 80, 80, 2, 64), 1, True, "bfloat16", HopperConfig(32), dict(mask_mod=document_mask)),
+    ((1, 150, 90, 3, 64), None, True, "float16", HopperConfig(32, copy_engine=False), {}),
+]
+
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
               (1, 1500, 700, 4, 128), (1, 600, 900, 4, 256)]
 
@@ -70,6 +82,34 @@ def test_hopper_forward_with_masks_in_the_simulator(rng, shape, kv_heads, causal
                                                     config, options):
     run_forward(rng, shape, causal, dtype, config, kv_heads,
                 launch=launch_hopper_forward, **options)
+
+
+@pytest.mark.parametrize("shape, kv_heads, causal, dtype, config, options", ORDER_CASES,
+                         ids=[f"sim-{'x'.join(map(str, c[0]))}-{len(c[5])}"
+                              f"{'' if c[4].copy_engine else '-cp-async'}"
+                              for c in ORDER_CASES])
+def test_hopper_forward_with_query_tiles_slowest_in_the_simulator(rng, shape, kv_heads, causal,
+                                                                  dtype, config, options):
+    run_forward(rng, shape, causal, dtype, config, kv_heads,
+                launch=functools.partial(launch_hopper_forward, multiprocessors=1000),
+                **options)
+
+
+@pytest.mark.parametrize("causal, multiprocessors, slowest", [
+    (True, 132, True),    # a training step's 22 tiles x 16 heads: under three waves
+    (True, 40, False),    # nine waves: the plain grid
+    (True, 0, False),     # the simulator: no layout
+    (False, 132, False),  # blocks alike: the plain grid
+])
+def test_a_causal_forward_of_few_waves_lays_its_query_tiles_along_y(causal, multiprocessors,
+                                                                    slowest):
+    q = np.zeros((1, 4096, 16, 64), np.uint16)
+    lse = np.zeros((1, 16, 4096), np.float32)
+    spec = AttentionSpec(64, "float16", causal=causal, softmax_scale=0.125)
+    config, _, grid, *_ = hopper_forward_launch(spec, q, q, q, q, lse,
+                                                multiprocessors=multiprocessors)
+    tiles = -(-4096 // config.block_m)
+    assert grid == ((16, tiles, 1) if slowest else (tiles, 16, 1))
 
 
 @pytest.mark.gpu

@@ -38,8 +38,9 @@ def launches(monkeypatch):
     seen = []
 
     def record(spec, q, k, v, out, lse, stream, config=None, extras=None, tiles=None,
-               maps=None):
-        launched = hopper_forward_launch(spec, q, k, v, out, lse, config, extras, tiles, maps)
+               maps=None, multiprocessors=0):
+        launched = hopper_forward_launch(spec, q, k, v, out, lse, config, extras, tiles, maps,
+                                         multiprocessors)
         seen.append((launched[0], {key[1:3] for key in tiles.block_mask._tables}))
     monkeypatch.setattr(engine, "launch_hopper_forward", record)
     return seen
