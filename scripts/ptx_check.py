@@ -19,7 +19,8 @@ failure there (C7508: register reallocation ignored; C7515: wgmma serialised).
 once (GQA, a causal sliding window, softcap, ALiBi, varlen: the most registers a variant
 takes), named "variants"; with a floating attn_mask instead of varlen, named "masked"
 (MASKED); and of a document mask_mod with causal, softcap and GQA, named "mask_mod"
-(MASK_MODDED; for the Hopper family also without GQA, "mask_mod_mha").
+(MASK_MODDED; for the Hopper family also without GQA, "mask_mod_mha", and with varlen,
+"mask_mod_varlen").
 """
 import argparse
 import glob
@@ -259,12 +260,17 @@ MAPS, BACKWARD_MAPS = ("int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)",
 
 
 def _hopper_specs(head_dim, dtype, variants):
-    """_specs, and after the mask_mod's the same without GQA ("mask_mod_mha")."""
+    """_specs, and after the mask_mod's the same without GQA ("mask_mod_mha") and with varlen
+    ("mask_mod_varlen": cp.async and the masked table)."""
     for kind, spec, extras in _specs(head_dim, dtype, variants):
         yield kind, spec, extras
         if kind == "mask_mod":
             yield ("mask_mod_mha", AttentionSpec(head_dim=head_dim, dtype=dtype,
                                                  **MASK_MODDED_MHA), extras)
+            f3, cu = "float32[:, :, :]", "int32[::1]"
+            yield ("mask_mod_varlen", AttentionSpec(head_dim=head_dim, dtype=dtype, varlen=True,
+                                                    **MASK_MODDED),
+                   extras.replace(f", {f3}, {f3}, {f3}, {f3}", f", {f3}, {cu}, {cu}, {f3}"))
 
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):

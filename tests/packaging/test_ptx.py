@@ -132,7 +132,7 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
             assert f"hopper_bwd_{kind}_d{head_dim}_causal_f16" in found
             assert found[f"hopper_bwd_{kind}_d{head_dim}_full_f16"]["wgmma.mma_async"] > 0
     # (masks: their smaller tiles; a mask_mod without GQA: wider dK/dV tiles than with it)
-    for variants in ("variants", "masked", "mask_mod", "mask_mod_mha"):
+    for variants in ("variants", "masked", "mask_mod", "mask_mod_mha", "mask_mod_varlen"):
         for kernel in ("forward", "bwd_dk_dv", "bwd_dq"):
             assert f"hopper_{kernel}_d128_{variants}_bf16" in found
     # a boolean mask on the forward's plain tiles and turns (hopper/config.py): as many
@@ -151,7 +151,8 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
     for name, r in found.items():
         if name.startswith("bwd_group_sums"):  # (plain loads and stores: no pipeline)
             continue
-        copy_engine = "_variants_" not in name  # (the variants spec is varlen: cp.async)
+        # (the variants spec is varlen: cp.async)
+        copy_engine = "_variants_" not in name and "_varlen_" not in name
         copies = r["cp.async.bulk.tensor"] if copy_engine else r["cp.async.cg"]
         assert r["setmaxnreg"] == 2 and r["mbarrier.try_wait"] > 0 and copies > 0, r
         assert r["cp.async.bulk.tensor" if not copy_engine else "cp.async.cg"] == 0, r

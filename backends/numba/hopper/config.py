@@ -27,6 +27,10 @@ BACKWARD_REGISTERS = {2: (104, 200)}
 #: (at 40 the dK/dV kernel spilled 92 bytes; an attn_mask's dQ 52 at 56, so masked calls keep
 #: BACKWARD_REGISTERS: wide_producer)
 BACKWARD_COPY_ENGINE_REGISTERS = {2: (56, 224)}
+#: the backward's with cp.async for a mask_mod with GQA (the masked table): there d128's dK/dV
+#: consumers spilled 44 bytes at 200, and the producer fits in 88 (without GQA it spilled
+#: 16-48 bytes at 88, so those calls keep BACKWARD_REGISTERS)
+BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS = (88, 208)
 #: shared memory a Hopper block may take (sm_90's opt-in limit)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 #: the multiprocessor's registers; a block launched with launch_bounds=(threads, 1) holds
@@ -146,7 +150,8 @@ class HopperBackwardConfig(_Roles):
     with cp.async announces tile j + 1 once it has issued tile j + 2's copies (with 2 stages,
     into tile j's stage: a deadlock); `copy_engine` as HopperConfig's; `wide_producer`: the
     producer keeps BACKWARD_REGISTERS' share with the copy engine too (a mask_mod's tile
-    tables and walk in its loop spilled below 104 registers)."""
+    tables and walk in its loop spilled below 104 registers); `register_split`: (producer,
+    consumer) registers a thread instead of the tables' (two consumers)."""
 
     block_m: int
     block_n: int
@@ -154,6 +159,7 @@ class HopperBackwardConfig(_Roles):
     stages: int = 3
     copy_engine: bool = True
     wide_producer: bool = False
+    register_split: tuple = ()
 
     def __post_init__(self):
         if self.stages < 3:
@@ -161,6 +167,8 @@ class HopperBackwardConfig(_Roles):
 
     @property
     def register_table(self):
+        if self.register_split:
+            return {2: self.register_split}
         lean = self.copy_engine and not self.wide_producer
         return BACKWARD_COPY_ENGINE_REGISTERS if lean else BACKWARD_REGISTERS
 
@@ -245,8 +253,11 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
                                        _HOPPER_BACKWARD_MASKED, mask_mod))
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
-        return replace(config, copy_engine=False)
-    return config and copies_for(spec, config)
+        config = replace(config, copy_engine=False)
+    config = config and copies_for(spec, config)
+    if config and not config.copy_engine and spec.mask_mod is not None and spec.group > 1:
+        return replace(config, register_split=BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS)
+    return config
 
 
 #: the forward's (plain, cp_async, masked, mask_mod) tables, as _table takes them

@@ -10,7 +10,8 @@ from mask_mods import gapped_mask
 
 from numba_flash.backends.numba.device.group_sums import launch_group_sums
 from numba_flash.backends.numba.hopper.bwd import launch_hopper_backward
-from numba_flash.backends.numba.hopper.config import HopperBackwardConfig
+from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS,
+                                                      HopperBackwardConfig)
 from numba_flash.backends.numba.hopper.grids import BackwardGrid, backward_grid
 from numba_flash.spec import AttentionSpec
 
@@ -166,7 +167,9 @@ def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
     numba_flash.backward(dout, q, k, v, out, lse, backend="numba-hopper")
     assert len(chosen) == 1 and chosen[0] is not None and len(chosen[0]) == 8
     for config in (HopperBackwardConfig(64, 64), HopperBackwardConfig(64, 64, copy_engine=False),
-                   HopperBackwardConfig(16, 32, wide_producer=True)):
+                   HopperBackwardConfig(16, 32, wide_producer=True),
+                   HopperBackwardConfig(16, 32, copy_engine=False,
+                                        register_split=BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS)):
         producer, consumer = config.registers
         assert 128 * (producer + 2 * consumer) <= 168 * 384
     assert HopperBackwardConfig(64, 64).registers[1] > HopperBackwardConfig(

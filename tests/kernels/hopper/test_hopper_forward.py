@@ -11,7 +11,8 @@ import pytest
 from mma_cases import run_forward
 from mask_mods import document_mask, gapped_mask
 
-from numba_flash.backends.numba.hopper.config import (HopperConfig, copies_for,
+from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS,
+                                                      HopperConfig, copies_for,
                                                       hopper_backward_config,
                                                       hopper_forward_config)
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
@@ -191,6 +192,15 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         assert hopper_backward_config(head_dim, spec).block_m == 2 * masked_rows
         assert hopper_backward_config(head_dim, gqa).wide_producer
         assert not hopper_backward_config(head_dim, spec).wide_producer
+        # with cp.async (varlen) and GQA the consumers take registers from the producer
+        varlen_gqa = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
+                                   group=4, varlen=True)
+        assert hopper_backward_config(head_dim, varlen_gqa).registers == \
+            BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
+        assert hopper_backward_config(head_dim, varlen).registers == \
+            hopper_backward_config(head_dim, masked, copy_engine=False).registers
+        assert hopper_backward_config(head_dim, gqa).registers != \
+            BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
 
 
 def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
