@@ -15,7 +15,8 @@ from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_A
                                                       HopperConfig, copies_for,
                                                       hopper_backward_config,
                                                       hopper_forward_config)
-from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel_function,
+from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel,
+                                                   hopper_forward_kernel_function,
                                                    hopper_forward_launch,
                                                    launch_hopper_forward)
 from numba_flash.backends.numba.hopper.tensor_maps import map_templates
@@ -56,8 +57,11 @@ MASK_CASES = [
 # copy engine), from row 0 (a mask_mod's tables; cp.async), GQA; grids not square
 ORDER_CASES = [
     ((1, 130, 100, 3, 64), 1, True, "float16", HopperConfig(32), {}),
-    ((1, 80, 80, 2, 64), 1, True, "bfloat16", HopperConfig(32), dict(mask_mod=document_mask)),
+    ((1, 200, 150, 3, 64), 1, True, "bfloat16", HopperConfig(32),
+     dict(mask_mod=gapped_mask)),  # (two tiles and three heads whose tables differ)
     ((1, 150, 90, 3, 64), None, True, "float16", HopperConfig(32, copy_engine=False), {}),
+    ((3, 130, 60, 3, 64), 1, True, "float16", HopperConfig(32),
+     dict(lengths=[(130, 60), (0, 7), (40, 0)])),  # varlen (cp.async), empty sequences
 ]
 
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
@@ -107,10 +111,11 @@ def test_a_causal_forward_of_few_waves_lays_its_query_tiles_along_y(causal, mult
     q = np.zeros((1, 4096, 16, 64), np.uint16)
     lse = np.zeros((1, 16, 4096), np.float32)
     spec = AttentionSpec(64, "float16", causal=causal, softmax_scale=0.125)
-    config, _, grid, *_ = hopper_forward_launch(spec, q, q, q, q, lse,
-                                                multiprocessors=multiprocessors)
+    config, kernel, grid, *_ = hopper_forward_launch(spec, q, q, q, q, lse,
+                                                     multiprocessors=multiprocessors)
     tiles = -(-4096 // config.block_m)
     assert grid == ((16, tiles, 1) if slowest else (tiles, 16, 1))
+    assert kernel is hopper_forward_kernel(config, spec.for_kernels(head_dim=64), slowest)
 
 
 @pytest.mark.gpu
@@ -195,8 +200,10 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         # with cp.async (varlen) and GQA the consumers take registers from the producer
         varlen_gqa = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
                                    group=4, varlen=True)
-        assert hopper_backward_config(head_dim, varlen_gqa).registers == \
-            BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
+        for refused in (False, True):  # (varlen, and maps the driver refused)
+            assert hopper_backward_config(head_dim, varlen_gqa if not refused else gqa,
+                                          copy_engine=not refused).registers == \
+                BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
         assert hopper_backward_config(head_dim, varlen).registers == \
             hopper_backward_config(head_dim, masked, copy_engine=False).registers
         assert hopper_backward_config(head_dim, gqa).registers != \
