@@ -135,6 +135,9 @@ BOOL_MASKED = dict(MASKED, alibi=False)
 MASK_MODDED = dict(causal=True, softcap=30.0, group=4, mask_mod=document_mask)
 #: the same without GQA: the Hopper backward takes wider dK/dV tiles there (hopper/config.py)
 MASK_MODDED_MHA = dict(MASK_MODDED, group=1)
+#: the kernels' last three arguments with a mask_mod: its tile tables (classes, spans) and
+#: the arrays it captures (_DOCUMENTS)
+MASK_MOD_ARGUMENTS = "int8[:, :, :, :], int32[:, :, :, :], UniTuple(int32[::1], 1)"
 
 
 def mask_type(dtype):
@@ -155,8 +158,7 @@ def _specs(head_dim, dtype, variants):
                                        **MASKED),
                f", float32[:, :], {f3}, {f3}, {mask}[:, :, :, :], {f3}, {f3}, Tuple(())")
         yield ("mask_mod", AttentionSpec(head_dim=head_dim, dtype=dtype, **MASK_MODDED),
-               f"{f', {f3}' * 4}, int8[:, :, :, :], int32[:, :, :, :], "
-               f"UniTuple(int32[::1], 1)")  # (_DOCUMENTS)
+               f"{f', {f3}' * 4}, {MASK_MOD_ARGUMENTS}")
         return
     unused = f"{f', {f3}' * 6}, Tuple(())"  # (the lse array and no captured arrays:
     #                                          launch.kernel_extras_unused, tile_arguments)
@@ -267,10 +269,10 @@ def _hopper_specs(head_dim, dtype, variants):
         if kind == "mask_mod":
             yield ("mask_mod_mha", AttentionSpec(head_dim=head_dim, dtype=dtype,
                                                  **MASK_MODDED_MHA), extras)
-            f3, cu = "float32[:, :, :]", "int32[::1]"
+            f3, cu = "float32[:, :, :]", "int32[::1]"  # (no ALiBi; cu_seqlens; no attn_mask)
             yield ("mask_mod_varlen", AttentionSpec(head_dim=head_dim, dtype=dtype, varlen=True,
                                                     **MASK_MODDED),
-                   extras.replace(f", {f3}, {f3}, {f3}, {f3}", f", {f3}, {cu}, {cu}, {f3}"))
+                   f", {f3}, {cu}, {cu}, {f3}, {MASK_MOD_ARGUMENTS}")
 
 
 def hopper_kernel_cases(head_dims, dtypes, variants=False):

@@ -18,7 +18,7 @@ from ..tile_classes import tile_arguments
 from .bwd_dk_dv import hopper_dk_dv_kernel_function
 from .bwd_dq import hopper_dq_kernel_function
 from .config import copies_for, hopper_backward_config, hopper_backward_shared_bytes
-from .grids import backward_grid
+from .grids import backward_grid, grid_shape
 from .tensor_maps import MAP_COUNT, map_slots, map_templates, no_templates
 
 
@@ -93,14 +93,14 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
         dk_dv_out = [(scratch or scratch_like(dk))(parts, "float32") for _ in range(2)]
     slots = kv_heads * grid.split
     launch(hopper_dk_dv_kernel(config, kernel_spec, grid.split, grid.keys_slowest),
-           (slots, key_tiles, batch) if grid.keys_slowest else (key_tiles, slots, batch),
+           grid_shape(key_tiles, slots, batch, grid.keys_slowest),
            config.threads, stream, dk_dv_bytes, q, k, v, dout, lse, delta, *dk_dv_out,
            scale_log2, scale, dk_dv_maps, dk_dv_templates, *extras,
            *tile_arguments(tiles, lse, config.block_m, config.rows, along_keys=True))
     launch(hopper_dq_kernel(config, kernel_spec, grid.queries_slowest),
-           (nheads, query_tiles, batch) if grid.queries_slowest else
-           (query_tiles, nheads, batch), config.threads, stream, dq_bytes, q, k, v, dout, lse,
-           delta, dq, scale_log2, scale, dq_maps, dq_templates, *extras,
+           grid_shape(query_tiles, nheads, batch, grid.queries_slowest), config.threads,
+           stream, dq_bytes, q, k, v, dout, lse, delta, dq, scale_log2, scale, dq_maps,
+           dq_templates, *extras,
            *tile_arguments(tiles, lse, config.rows, config.block_n))
     if grid.split > 1:
         launch_group_sums(spec, grid.split, *dk_dv_out, dk, dv, extras[1], extras[2], stream)

@@ -59,7 +59,7 @@ from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
 from .config import (WARPGROUP, copies_for, hopper_forward_config, hopper_forward_shared_bytes,
                      tile_bytes)
-from .grids import tiles_slowest
+from .grids import grid_shape, tiles_slowest
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
@@ -403,8 +403,7 @@ def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, til
     query_tiles = -(-seqlen_q // config.block_m)
     queries_slowest = tiles_slowest(spec, query_tiles * nheads * batch, multiprocessors)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim), queries_slowest)
-    grid = ((nheads, query_tiles, batch) if queries_slowest else
-            (query_tiles, nheads, batch))
+    grid = grid_shape(query_tiles, nheads, batch, queries_slowest)
     return (config, kernel, grid, config.threads, hopper_forward_shared_bytes(config, head_dim),
             (q, k, v, out, lse, np.float32(spec.softmax_scale * float(LOG2E)), maps, templates,
              *extras, *tile_arguments(tiles, lse, config.block_m, config.block_n)))

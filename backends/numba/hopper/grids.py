@@ -62,3 +62,9 @@ def tiles_slowest(spec, blocks, multiprocessors):
     """Whether a grid of `blocks` blocks (one per multiprocessor) lays its tiles along grid.y:
     under causal, within LONGEST_FIRST_WAVES."""
     return spec.causal and blocks <= LONGEST_FIRST_WAVES * multiprocessors
+
+
+def grid_shape(tiles, heads, batch, slowest):
+    """The launch grid of tiles × heads × batch blocks: the tiles along grid.x, or with
+    `slowest` along grid.y (heads along x)."""
+    return (heads, tiles, batch) if slowest else (tiles, heads, batch)
