@@ -27,10 +27,11 @@ BACKWARD_REGISTERS = {2: (104, 200)}
 #: (at 40 the dK/dV kernel spilled 92 bytes; an attn_mask's dQ 52 at 56, so masked calls keep
 #: BACKWARD_REGISTERS: wide_producer)
 BACKWARD_COPY_ENGINE_REGISTERS = {2: (56, 224)}
-#: the backward's with cp.async for a mask_mod with GQA (the masked table): there d128's dK/dV
-#: consumers spilled 44 bytes at 200, and the producer fits in 88 (without GQA it spilled
-#: 16-48 bytes at 88, so those calls keep BACKWARD_REGISTERS)
-BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS = (88, 208)
+#: the backward's with cp.async for a mask_mod with GQA (the masked table), by head dim: there
+#: d128's dK/dV consumers spilled 44 bytes at 200, and the producer fits in 88 (without GQA it
+#: spilled 16-48 bytes at 88, so those calls keep BACKWARD_REGISTERS); d64's dK/dV kernel of
+#: a split group spilled 80 bytes at 88 / 208 and none at BACKWARD_REGISTERS
+BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS = {128: (88, 208)}
 #: shared memory a Hopper block may take (sm_90's opt-in limit)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 #: the multiprocessor's registers; a block launched with launch_bounds=(threads, 1) holds
@@ -255,8 +256,10 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
     if config and not copy_engine:
         config = replace(config, copy_engine=False)
     config = config and copies_for(spec, config)
-    if config and not config.copy_engine and spec.mask_mod is not None and spec.group > 1:
-        return replace(config, register_split=BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS)
+    split = BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS.get(head_dim)
+    if split and config and not config.copy_engine and spec.mask_mod is not None and \
+            spec.group > 1:
+        return replace(config, register_split=split)
     return config
 
 

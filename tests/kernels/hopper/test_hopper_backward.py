@@ -168,8 +168,8 @@ def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
     assert len(chosen) == 1 and chosen[0] is not None and len(chosen[0]) == 8
     for config in (HopperBackwardConfig(64, 64), HopperBackwardConfig(64, 64, copy_engine=False),
                    HopperBackwardConfig(16, 32, wide_producer=True),
-                   HopperBackwardConfig(16, 32, copy_engine=False,
-                                        register_split=BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS)):
+                   HopperBackwardConfig(16, 32, copy_engine=False, register_split=(
+                       BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS[128]))):
         producer, consumer = config.registers
         assert 128 * (producer + 2 * consumer) <= 168 * 384
     assert HopperBackwardConfig(64, 64).registers[1] > HopperBackwardConfig(

@@ -197,17 +197,18 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         assert hopper_backward_config(head_dim, spec).block_m == 2 * masked_rows
         assert hopper_backward_config(head_dim, gqa).wide_producer
         assert not hopper_backward_config(head_dim, spec).wide_producer
-        # with cp.async (varlen) and GQA the consumers take registers from the producer
+        # with cp.async (varlen) and GQA d128's consumers take registers from the producer
         varlen_gqa = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
                                    group=4, varlen=True)
+        masked_registers = hopper_backward_config(head_dim, masked, copy_engine=False).registers
+        split = BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS.get(head_dim, masked_registers)
+        assert (head_dim == 128) == (split != masked_registers)
         for refused in (False, True):  # (varlen, and maps the driver refused)
             assert hopper_backward_config(head_dim, varlen_gqa if not refused else gqa,
-                                          copy_engine=not refused).registers == \
-                BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
-        assert hopper_backward_config(head_dim, varlen).registers == \
-            hopper_backward_config(head_dim, masked, copy_engine=False).registers
+                                          copy_engine=not refused).registers == split
+        assert hopper_backward_config(head_dim, varlen).registers == masked_registers
         assert hopper_backward_config(head_dim, gqa).registers != \
-            BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS
+            BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS[128]
 
 
 def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
