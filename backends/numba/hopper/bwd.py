@@ -17,7 +17,7 @@ from ..launch import kernel_extras_unused, launch, scratch_like
 from ..tile_classes import tile_arguments
 from .bwd_dk_dv import hopper_dk_dv_kernel_function
 from .bwd_dq import hopper_dq_kernel_function
-from .config import copies_for, hopper_backward_config, hopper_backward_shared_bytes
+from .config import hopper_backward_config, hopper_backward_shared_bytes
 from .grids import backward_grid, grid_shape
 from .tensor_maps import MAP_COUNT, map_slots, map_templates, no_templates
 
@@ -62,7 +62,6 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
     config = config or hopper_backward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper backward config for head_dim {head_dim}")
-    config = copies_for(spec, config)
     # the maps of the dK/dV kernel (K, V whole row tiles; Q, dO streamed), then the dQ
     # kernel's (the other way round); each kernel's in the order q, dout, k, v
     templates = config.copy_engine and map_templates(
@@ -74,7 +73,8 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
         config = (hopper_backward_config(head_dim, spec, copy_engine=False) if chosen else
                   dataclasses.replace(config, copy_engine=False))
         dk_dv_templates = dq_templates = no_templates(MAP_COUNT)
-    dk_dv_maps, dq_maps = maps or (map_slots(lse), map_slots(lse))
+    sequences = batch if spec.varlen else 1  # (varlen: maps per sequence, tensor_maps.py)
+    dk_dv_maps, dq_maps = maps or [map_slots(lse, sequences) for _ in range(2)]
     kernel_spec = spec.for_kernels(head_dim=head_dim)
     key_tiles, kv_heads = -(-seqlen_k // config.rows), k.shape[2]
     query_tiles = -(-seqlen_q // config.rows)

@@ -10,8 +10,8 @@ of 1 + CONSUMERS warpgroups:
     stage's full mbarrier. With the copy engine (config.copy_engine) its first warp does it:
     one lane issues the copies (tensor maps the warp publishes first, as the forward's),
     which complete on the barrier as transactions, and every lane writes its share of the
-    stats and arrives; otherwise the warpgroup copies with cp.async (varlen:
-    config.copies_for);
+    stats and arrives; otherwise (maps the driver refuses) the warpgroup copies with
+    cp.async;
   - each consumer (setmaxnreg.inc) owns 64 keys: per query tile Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     (products over the head dim, both tiles K-major), Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − D) in
     registers (device/fragments.py, columns are queries), then dV += Pᵀ dO and dK += dSᵀ Q
@@ -45,7 +45,7 @@ from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
-from .tensor_maps import SCRATCH_WORDS, publish_maps, write_map
+from .tensor_maps import MAP_COUNT, SCRATCH_WORDS, make_map_writer, publish_maps
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +90,7 @@ def hopper_dk_dv_kernel_function(config, spec, split=1, keys_slowest=False):
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+    write_map = make_map_writer(VARLEN)
 
     @cuda.jit(device=True, inline="always")
     def write_stats(stats, s, lse, delta, b, h, row0, q_end, first, step):
@@ -129,19 +130,21 @@ def hopper_dk_dv_kernel_function(config, spec, split=1, keys_slowest=False):
         announce_all(landed)
 
     @cuda.jit(device=True, inline="always")
-    def produce_by_copy_engine(smem_base, bars, stats, maps, lse, delta, b, q_start, q_end,
-                               k_row0, h_kv, h_first, m_begin, m_stop, span, tiles, seq, n0):
-        """The producer warp with the copy engine (maps 0-3: q, dout, k, v): lane 0 issues K
-        and V, then each visited query tile's Q and dO, announced (arrive.expect_tx) before
+    def produce_by_copy_engine(smem_base, bars, stats, maps, first_map, lse, delta, b,
+                               q_start, q_end, h_kv, h_first, m_begin, m_stop, span, tiles,
+                               seq, n0):
+        """The producer warp with the copy engine (maps first_map + 0-3: q, dout, k, v, from
+        the sequence's first rows: copies in the sequence's row coordinates): lane 0 issues
+        K and V, then each visited query tile's Q and dO, announced (arrive.expect_tx) before
         their copies; every lane writes its share of the tile's stats and arrives (an
         arrival releases the lane's stores to the consumers)."""
         lane = cuda.threadIdx.x % 32
         if lane == 0:
             for i in range(4):
-                tensor_map_acquire(map_slot(maps, i))
+                tensor_map_acquire(map_slot(maps, first_map + i))
             mbarrier_expect_tx(bars, 2 * ROW_TILE)
-            copy_keys(smem_base, map_slot(maps, 2), h_kv, k_row0, b, bars)
-            copy_keys(smem_base + V_START, map_slot(maps, 3), h_kv, k_row0, b, bars)
+            copy_keys(smem_base, map_slot(maps, first_map + 2), h_kv, n0, b, bars)
+            copy_keys(smem_base + V_START, map_slot(maps, first_map + 3), h_kv, n0, b, bars)
         else:
             mbarrier_arrive(bars)
         j = 0
@@ -156,10 +159,10 @@ def hopper_dk_dv_kernel_function(config, spec, split=1, keys_slowest=False):
             write_stats(stats, s, lse, delta, b, h, q_start + m0, q_end, lane, 32)
             if lane == 0:
                 mbarrier_expect_tx(full, 2 * Q_TILE)
-                copy_queries(smem_base + Q_START + s * Q_TILE, map_slot(maps, 0), h,
-                             q_start + m0, b, full)
-                copy_queries(smem_base + DO_START + s * Q_TILE, map_slot(maps, 1), h,
-                             q_start + m0, b, full)
+                copy_queries(smem_base + Q_START + s * Q_TILE, map_slot(maps, first_map), h,
+                             m0, b, full)
+                copy_queries(smem_base + DO_START + s * Q_TILE,
+                             map_slot(maps, first_map + 1), h, m0, b, full)
             else:
                 mbarrier_arrive(full)
             j += 1
@@ -201,15 +204,16 @@ def hopper_dk_dv_kernel_function(config, spec, split=1, keys_slowest=False):
                         m_begin, m_stop, span, tiles, seq, n0)
             elif tid < 32:
                 scratch = shared_base(map_words, 128)
+                first_map = seq * MAP_COUNT if VARLEN else 0
                 if tid == 0:
-                    write_map(scratch, 0, q, templates[0])
-                    write_map(scratch, 1, dout, templates[1])
-                    write_map(scratch, 2, k, templates[2])
-                    write_map(scratch, 3, v, templates[3])
-                publish_maps(scratch, maps, 4)
-                produce_by_copy_engine(smem_base, bars, stats, maps, lse, delta, b, q_start,
-                                       q_start + seqlen_q, k_start + n0, h_kv, h_first,
-                                       m_begin, m_stop, span, tiles, seq, n0)
+                    write_map(scratch, 0, q, templates[0], q_start, seqlen_q)
+                    write_map(scratch, 1, dout, templates[1], q_start, seqlen_q)
+                    write_map(scratch, 2, k, templates[2], k_start, seqlen_k)
+                    write_map(scratch, 3, v, templates[3], k_start, seqlen_k)
+                publish_maps(scratch, maps, first_map, 4)
+                produce_by_copy_engine(smem_base, bars, stats, maps, first_map, lse, delta, b,
+                                       q_start, q_start + seqlen_q, h_kv, h_first, m_begin,
+                                       m_stop, span, tiles, seq, n0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1

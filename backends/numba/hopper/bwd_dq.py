@@ -7,8 +7,8 @@ One block per (query tile of ROWS = 64·CONSUMERS queries, head, batch entry or 
     the queries see (device/block_range.py) K and V into stage j % STAGES (the 128-byte
     swizzle of layout.py), announcing each on the stage's full mbarrier: with the copy engine
     (config.copy_engine) one thread issues the copies, which complete on that barrier as
-    transactions (tensor maps its warp publishes first, as the forward's); otherwise the
-    warpgroup copies with cp.async (varlen: config.copies_for);
+    transactions (tensor maps its warp publishes first, as the forward's); otherwise (maps
+    the driver refuses) the warpgroup copies with cp.async;
   - each consumer (setmaxnreg.inc) owns 64 queries, their lse and D in registers: per key
     tile S = Q Kᵀ and dP = dO Vᵀ (products over the head dim, all tiles K-major), P and
     dS = P ∘ (dP − D) in registers (device/fragments.py, rows are queries), then dQ += dS K
@@ -41,7 +41,7 @@ from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
-from .tensor_maps import SCRATCH_WORDS, publish_maps, write_map
+from .tensor_maps import MAP_COUNT, SCRATCH_WORDS, make_map_writer, publish_maps
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -82,6 +82,7 @@ def hopper_dq_kernel_function(config, spec, queries_slowest=False):
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+    write_map = make_map_writer(VARLEN)
     # The consumers take turns (turns.py), but not with ALiBi and varlen together: their
     # registers beside the turn's held dS spilled at d128 (scripts/ptx_check.py --variants).
     TURNS = not (spec.alibi and spec.varlen)
@@ -112,18 +113,19 @@ def hopper_dq_kernel_function(config, spec, queries_slowest=False):
         announce_all(landed)
 
     @cuda.jit(device=True, inline="always")
-    def produce_by_copy_engine(smem_base, bars, maps, b, q_row0, k_start, h, h_kv, n_begin,
+    def produce_by_copy_engine(smem_base, bars, maps, first_map, b, h, h_kv, n_begin,
                                n_tiles, tiles, seq, m0):
-        """The producer thread with the copy engine (maps 0-3: q, dout, k, v): Q and dO, then
+        """The producer thread with the copy engine (maps first_map + 0-3: q, dout, k, v, from
+        the sequence's first rows: copies in the sequence's row coordinates): Q and dO, then
         each visited key tile's K and V, each pair announced (arrive.expect_tx) before its
         copies are issued."""
-        q_slot, do_slot = map_slot(maps, 0), map_slot(maps, 1)
-        k_slot, v_slot = map_slot(maps, 2), map_slot(maps, 3)
+        q_slot, do_slot = map_slot(maps, first_map), map_slot(maps, first_map + 1)
+        k_slot, v_slot = map_slot(maps, first_map + 2), map_slot(maps, first_map + 3)
         for i in range(4):
-            tensor_map_acquire(map_slot(maps, i))
+            tensor_map_acquire(map_slot(maps, first_map + i))
         mbarrier_expect_tx(bars, 2 * ROW_TILE)
-        copy_queries(smem_base, q_slot, h, q_row0, b, bars)
-        copy_queries(smem_base + DO_START, do_slot, h, q_row0, b, bars)
+        copy_queries(smem_base, q_slot, h, m0, b, bars)
+        copy_queries(smem_base + DO_START, do_slot, h, m0, b, bars)
         j = 0  # the visited tiles so far (the stages count them)
         for tile in range(n_tiles):
             n0 = n_begin + tile * BLOCK_N
@@ -133,8 +135,8 @@ def hopper_dq_kernel_function(config, spec, queries_slowest=False):
             full = bars + STAGE_FULL + 8 * s
             mbarrier_wait(bars + STAGE_EMPTY + 8 * s, free_parity(j, STAGES))
             mbarrier_expect_tx(full, 2 * KV_TILE)
-            copy_keys(smem_base + K_START + s * KV_TILE, k_slot, h_kv, k_start + n0, b, full)
-            copy_keys(smem_base + V_START + s * KV_TILE, v_slot, h_kv, k_start + n0, b, full)
+            copy_keys(smem_base + K_START + s * KV_TILE, k_slot, h_kv, n0, b, full)
+            copy_keys(smem_base + V_START + s * KV_TILE, v_slot, h_kv, n0, b, full)
             j += 1
 
     @cuda.jit(device=True, inline="always")
@@ -223,15 +225,16 @@ def hopper_dq_kernel_function(config, spec, queries_slowest=False):
                         k_start, k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
             elif tid < 32:
                 scratch = shared_base(map_words, 128)
+                first_map = seq * MAP_COUNT if VARLEN else 0
                 if tid == 0:
-                    write_map(scratch, 0, q, templates[0])
-                    write_map(scratch, 1, dout, templates[1])
-                    write_map(scratch, 2, k, templates[2])
-                    write_map(scratch, 3, v, templates[3])
-                publish_maps(scratch, maps, 4)
+                    write_map(scratch, 0, q, templates[0], q_start, seqlen_q)
+                    write_map(scratch, 1, dout, templates[1], q_start, seqlen_q)
+                    write_map(scratch, 2, k, templates[2], k_start, seqlen_k)
+                    write_map(scratch, 3, v, templates[3], k_start, seqlen_k)
+                publish_maps(scratch, maps, first_map, 4)
                 if tid == 0:
-                    produce_by_copy_engine(smem_base, bars, maps, b, q_start + m0, k_start, h,
-                                           h_kv, n_begin, n_tiles, tiles, seq, m0)
+                    produce_by_copy_engine(smem_base, bars, maps, first_map, b, h, h_kv,
+                                           n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1

@@ -136,9 +136,11 @@ _HOPPER_FORWARD_BOOL_MASKED = (
     (64, HopperConfig(block_n=128)),
     (128, HopperConfig(block_n=128)),
 )
-#: with cp.async (varlen, or maps the driver refuses; hopper_forward_config clears
+#: with cp.async (maps the driver refuses; hopper_forward_config clears
 #: copy_engine): two consumers, since the producer's 128 copying threads keep 72 registers
-#: and three consumers' wgmma had too few in the rest (ptxas serialised them)
+#: and three consumers' wgmma had too few in the rest (ptxas serialised them). Varlen takes
+#: it with the copy engine too: at d64 three consumers spilled 120-168 bytes holding a
+#: sequence's bounds.
 _HOPPER_FORWARD_CP_ASYNC = _HOPPER_FORWARD_BOOL_MASKED + _HOPPER_FORWARD[2:]
 
 
@@ -180,7 +182,7 @@ _HOPPER_BACKWARD = (
     (64, HopperBackwardConfig(block_m=64, block_n=64)),
     (128, HopperBackwardConfig(block_m=64, block_n=64)),  # (224 consumer registers)
 )
-#: with cp.async (varlen, or maps the driver refuses): 200 consumer registers, in which the
+#: with cp.async (maps the driver refuses): 200 consumer registers, in which the
 #: d128 dK/dV kernel's 64-query tiles spilled 704 bytes
 _HOPPER_BACKWARD_CP_ASYNC = (
     (64, HopperBackwardConfig(block_m=64, block_n=64, copy_engine=False)),
@@ -238,7 +240,6 @@ def _table(spec, copy_engine, tables):
     keep fewer registers, and both kernels keep the masked table); else by how the tiles are
     copied."""
     plain, cp_async, masked, mask_mod = tables
-    copy_engine = copy_engine and not spec.varlen
     if spec.attn_mask is not None or (spec.mask_mod is not None and not copy_engine):
         return masked
     if spec.mask_mod is not None:
@@ -248,14 +249,17 @@ def _table(spec, copy_engine, tables):
 
 def hopper_backward_config(head_dim, spec, copy_engine=True):
     """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None;
-    copy_engine=False: the config for cp.async copies."""
+    copy_engine=False: the config for cp.async copies. A mask_mod with GQA and varlen keeps
+    cp.async (its d64 dK/dV kernel spilled 32 bytes on the copy engine at every register
+    split; on cp.async it compiles clean: ptx_check's mask_mod_varlen spec)."""
+    copy_engine = copy_engine and not (spec.varlen and spec.mask_mod is not None
+                                       and spec.group > 1)
     mask_mod = _HOPPER_BACKWARD_MASK_MOD if spec.group == 1 else _HOPPER_BACKWARD_MASK_MOD_GQA
     table = _table(spec, copy_engine, (_HOPPER_BACKWARD, _HOPPER_BACKWARD_CP_ASYNC,
                                        _HOPPER_BACKWARD_MASKED, mask_mod))
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
         config = replace(config, copy_engine=False)
-    config = config and copies_for(spec, config)
     split = BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS.get(head_dim)
     if split and config and not config.copy_engine and spec.mask_mod is not None and \
             spec.group > 1:
@@ -272,12 +276,14 @@ def hopper_forward_config(head_dim, spec, copy_engine=True):
     """The Hopper forward's config for head_dim (a multiple of 16) and the call's spec, or
     None; copy_engine=False: the config for cp.async copies."""
     table = _table(spec, copy_engine, _FORWARD_TABLES)
+    if spec.varlen and table is _HOPPER_FORWARD:
+        table = _HOPPER_FORWARD_CP_ASYNC  # (two consumers, on the copy engine)
     if spec.bool_mask and spec.mask_mod is None and not (spec.softcap and spec.alibi):
         table = _HOPPER_FORWARD_BOOL_MASKED
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
         return replace(config, copy_engine=False)
-    return config and copies_for(spec, config)
+    return config
 
 
 def mask_mod_wide_forward_config(head_dim, spec):
@@ -290,10 +296,3 @@ def mask_mod_wide_forward_config(head_dim, spec):
             or lookup(_HOPPER_FORWARD_MASK_MOD, head_dim) is None):
         return None
     return lookup(_HOPPER_FORWARD, head_dim)
-
-
-def copies_for(spec, config):
-    """config, with cp.async instead of the copy engine for varlen: a box stops only at the
-    tensor's end, so a sequence's last tile would take the next one's rows (finite or not)
-    where cp.async zero-fills."""
-    return replace(config, copy_engine=False) if spec.varlen and config.copy_engine else config

@@ -20,7 +20,7 @@ from .bwd import launch_hopper_backward
 from .config import hopper_backward_config, hopper_forward_config
 from .fwd import launch_hopper_forward
 from .key_tiles import mask_mod_forward_config
-from .tensor_maps import MAP_SLOTS
+from .tensor_maps import map_slot_shape
 
 DTYPES = ("float16", "bfloat16")
 HOPPER_CC = (9, 0)
@@ -69,7 +69,7 @@ class HopperEngine(Engine):
         lse_view = marshal.view(lse)
         kernel_extras = marshal.kernel_extras(spec, extras, *inputs[:2], lse_view)
         tiles = call_tiles(spec, extras, kernel_extras, *inputs[:2], alloc, stream)
-        maps = marshal.view(alloc(MAP_SLOTS, "int64"))
+        maps = marshal.view(alloc(map_slot_shape(map_sequences(spec, kernel_extras)), "int64"))
         # (before the tile tables are built: they are built for the chosen tiles)
         sms = grid_multiprocessors(q)
         config = mask_mod_forward_config(spec, *inputs, out_view, lse_view, kernel_extras,
@@ -91,17 +91,25 @@ class HopperEngine(Engine):
         outputs = [marshal.tile_ready_output(g, alloc, head_dim) for g in grads]
         lse_view = marshal.view(lse)
         kernel_extras = marshal.kernel_extras(spec, extras, *inputs[1:3], lse_view)
+        sequences = map_sequences(spec, kernel_extras)
         launch_hopper_backward(spec, *inputs, lse_view, marshal.view(delta),
                                *(kernel_view for kernel_view, _ in outputs), stream,
                                extras=kernel_extras,
                                tiles=call_tiles(spec, extras, kernel_extras, *inputs[1:3],
                                                 alloc, stream),
-                               maps=[marshal.view(alloc(MAP_SLOTS, "int64")) for _ in range(2)],
+                               maps=[marshal.view(alloc(map_slot_shape(sequences), "int64"))
+                                     for _ in range(2)],
                                multiprocessors=grid_multiprocessors(q),
                                scratch=lambda shape, dtype: marshal.view(alloc(shape, dtype)))
         for kernel_view, final in outputs:
             if final is not None:
                 marshal.copy_padded(kernel_view, final, stream)
+
+
+def map_sequences(spec, kernel_extras):
+    """The sequences whose tensor maps a call's kernels keep apart: varlen's (each its own,
+    tensor_maps.py), else 1."""
+    return int(kernel_extras[1].shape[0]) - 1 if spec.varlen else 1
 
 
 def grid_multiprocessors(q):

@@ -13,8 +13,9 @@ One block per (query tile of BLOCK_M = 64·CONSUMERS rows, head, batch entry or 
     (device/intrinsics/tensor_copy.py: tensor maps its warp makes first), which complete on
     the `full` mbarrier as transactions of bytes it announced; otherwise the warpgroup's 128
     threads copy 16 bytes at a time with cp.async, each waiting for its own copies, fencing
-    them for the async proxy and arriving (varlen, whose sequences end inside the tensor
-    the copy engine would read past, takes these).
+    them for the async proxy and arriving (arrays whose maps the driver refuses). With
+    varlen each sequence's maps end at its last row (tensor_maps.py), so that no box reads
+    the next sequence's.
   - warpgroups 1.. are consumers of 64 query rows each; they take the registers
     (setmaxnreg.inc). Per key tile: S = Q Kᵀ by D/16 wgmma products from the shared tiles (Q
     and K K-major), the K stage freed; the score mod, mask and online softmax on S in
@@ -57,15 +58,15 @@ from ..device.sequence import grid_extent, make_sequence
 from ..device.softmax import finalize
 from ..launch import kernel_extras_unused, launch
 from ..tile_classes import tile_arguments
-from .config import (WARPGROUP, copies_for, hopper_forward_config, hopper_forward_shared_bytes,
+from .config import (WARPGROUP, hopper_forward_config, hopper_forward_shared_bytes,
                      tile_bytes)
 from .grids import grid_shape, tiles_slowest
 from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make_tile_loader
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
-from .tensor_maps import (SCRATCH_WORDS, map_slots, map_templates, no_templates, publish_maps,
-                          write_map)
+from .tensor_maps import (MAP_COUNT, SCRATCH_WORDS, make_map_writer, map_slots, map_templates,
+                          no_templates, publish_maps)
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -112,6 +113,7 @@ def hopper_forward_kernel_function(config, spec, queries_slowest=False):
     exponent_scales, head_slope = score_mod.scales, score_mod.head_slope
     sequence = make_sequence(spec)
     GROUP, VARLEN = spec.group, spec.varlen
+    write_map = make_map_writer(VARLEN)
     TURNS = config.turns
 
     @cuda.jit(device=True, inline="always")
@@ -144,30 +146,31 @@ def hopper_forward_kernel_function(config, spec, queries_slowest=False):
         announce_all(landed)
 
     @cuda.jit(device=True, inline="always")
-    def produce_by_copy_engine(smem_base, bars, maps, b, q_row0, k_start, h, h_kv, n_begin,
+    def produce_by_copy_engine(smem_base, bars, maps, first_map, b, h, h_kv, n_begin,
                                n_tiles, tiles, seq, m0):
         """The producer thread with the copy engine: Q, then each visited key tile's K and V,
-        each announced (arrive.expect_tx) before its copies are issued."""
-        q_slot, k_slot, v_slot = map_slot(maps, 0), map_slot(maps, 1), map_slot(maps, 2)
+        each announced (arrive.expect_tx) before its copies are issued (the maps start at the
+        sequence's first rows: rows in the sequence's coordinates)."""
+        q_slot = map_slot(maps, first_map)
+        k_slot, v_slot = map_slot(maps, first_map + 1), map_slot(maps, first_map + 2)
         tensor_map_acquire(q_slot)
         tensor_map_acquire(k_slot)
         tensor_map_acquire(v_slot)
         mbarrier_expect_tx(bars, Q_BYTES)
-        copy_q(smem_base, q_slot, h, q_row0, b, bars)
+        copy_q(smem_base, q_slot, h, m0, b, bars)
         j = 0  # the visited tiles so far (the stages count them)
         for tile in range(n_tiles):
             n0 = n_begin + tile * BLOCK_N
             if mod_class(tiles, seq, h, m0, n0) == EMPTY:
                 continue
             s = j % STAGES
-            row0 = k_start + n0
             mbarrier_wait(bars + K_EMPTY + 8 * s, free_parity(j, STAGES))
             mbarrier_expect_tx(bars + K_FULL + 8 * s, KV_BYTES)
-            copy_kv(smem_base + K_START + s * KV_BYTES, k_slot, h_kv, row0, b,
+            copy_kv(smem_base + K_START + s * KV_BYTES, k_slot, h_kv, n0, b,
                     bars + K_FULL + 8 * s)
             mbarrier_wait(bars + V_EMPTY + 8 * s, free_parity(j, STAGES))
             mbarrier_expect_tx(bars + V_FULL + 8 * s, KV_BYTES)
-            copy_kv(smem_base + V_START + s * KV_BYTES, v_slot, h_kv, row0, b,
+            copy_kv(smem_base + V_START + s * KV_BYTES, v_slot, h_kv, n0, b,
                     bars + V_FULL + 8 * s)
             j += 1
 
@@ -255,14 +258,15 @@ def hopper_forward_kernel_function(config, spec, queries_slowest=False):
                         k_start + seqlen_k, h, h_kv, n_begin, n_tiles, tiles, seq, m0)
             elif tid < 32:
                 scratch = shared_base(map_words, 128)
+                first_map = seq * MAP_COUNT if VARLEN else 0
                 if tid == 0:
-                    write_map(scratch, 0, q, templates[0])
-                    write_map(scratch, 1, k, templates[1])
-                    write_map(scratch, 2, v, templates[2])
-                publish_maps(scratch, maps, 3)
+                    write_map(scratch, 0, q, templates[0], q_start, seqlen_q)
+                    write_map(scratch, 1, k, templates[1], k_start, seqlen_k)
+                    write_map(scratch, 2, v, templates[2], k_start, seqlen_k)
+                publish_maps(scratch, maps, first_map, 3)
                 if tid == 0:
-                    produce_by_copy_engine(smem_base, bars, maps, b, q_start + m0, k_start, h,
-                                           h_kv, n_begin, n_tiles, tiles, seq, m0)
+                    produce_by_copy_engine(smem_base, bars, maps, first_map, b, h, h_kv,
+                                           n_begin, n_tiles, tiles, seq, m0)
         else:
             setmaxnreg_inc(CONSUMER_REGISTERS)
             consumer = warpgroup - 1
@@ -370,7 +374,7 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
     cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
     tile tables (tile_classes.py); `maps`: a scratch int64 array of this call, of shape
-    tensor_maps.MAP_SLOTS, for the copy engine's tensor maps, never shared with a launch that
+    tensor_maps.map_slot_shape(sequences), for the copy engine's tensor maps, never shared with a launch that
     may run at the same time (made here if not given: a NumPy array for host inputs, else a
     Numba device array). `multiprocessors`: the GPU's, for the grid's layout (grids.py; 0:
     the plain layout). `config` overrides hopper_forward_config (the engine's choice:
@@ -391,7 +395,6 @@ def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, til
     config = config or hopper_forward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no Hopper forward config for head_dim {head_dim}")
-    config = copies_for(spec, config)
     templates = config.copy_engine and map_templates(
         ((q, config.block_m), (k, config.block_n), (v, config.block_n)))
     if not templates:  # (cp.async: the config's choice, or strides the copy engine refuses)
@@ -399,7 +402,7 @@ def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, til
                   dataclasses.replace(config, copy_engine=False))
         templates = no_templates(3)
     if maps is None:
-        maps = map_slots(lse)
+        maps = map_slots(lse, batch if spec.varlen else 1)
     query_tiles = -(-seqlen_q // config.block_m)
     queries_slowest = tiles_slowest(spec, query_tiles * nheads * batch, multiprocessors)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim), queries_slowest)

@@ -4,7 +4,11 @@ strides and box) and the scratch slots a kernel publishes its maps to; on the de
 producer warp's making and publishing of them.
 
 A kernel takes up to MAP_COUNT maps in a scratch of its own (the backward's two kernels each
-publish theirs: their boxes differ)."""
+publish theirs: their boxes differ). With varlen each sequence has its own MAP_COUNT slots: a
+sequence's maps start at its first row and end at its last, so that a box stops at the
+sequence's end (zeros past it, as cp.async's loaders fill) and the copies take the sequence's
+own row coordinates.
+"""
 import functools
 import warnings
 
@@ -13,13 +17,11 @@ from numba import cuda
 
 from ..device.intrinsics import (MAP_WORDS, TensorMapRefused, global_address, map_slot,
                                  syncwarp, tensor_map_address, tensor_map_publish,
-                                 tensor_map_store, tensor_map_template)
+                                 tensor_map_rows, tensor_map_store, tensor_map_template)
 from ..launch import scratch_like
 
 #: the maps of one kernel: the forward's q, k, v; each backward kernel's q, dout, k, v
 MAP_COUNT = 4
-#: the slots of one kernel's maps (16 words each)
-MAP_SLOTS = (MAP_COUNT, MAP_WORDS)
 #: a producer warp's shared scratch for its maps: MAP_COUNT of them, aligned to 128 bytes
 #: within (shared_base(scratch, 128))
 SCRATCH_WORDS = (MAP_COUNT + 1) * MAP_WORDS
@@ -30,9 +32,15 @@ def no_templates(count):
     return ((np.uint64(0),) * MAP_WORDS,) * count
 
 
-def map_slots(like):
+def map_slot_shape(sequences):
+    """The shape of the int64 slots of one kernel's maps (16 words each) in a call of
+    `sequences` packed sequences (1 without varlen: one set of maps for every block)."""
+    return (sequences * MAP_COUNT, MAP_WORDS)
+
+
+def map_slots(like, sequences=1):
     """A scratch array for the maps of one kernel of a call (launch.scratch_like's)."""
-    return scratch_like(like)(MAP_SLOTS, np.int64)
+    return scratch_like(like)(map_slot_shape(sequences), np.int64)
 
 
 def map_templates(arrays_and_rows):
@@ -57,18 +65,27 @@ def _template(shape, strides, rows):
     return None
 
 
-@cuda.jit(device=True, inline="always")
-def write_map(scratch, index, array, template):
-    """(One lane) map `index` in the warp's shared scratch: the template with the address of
-    `array`."""
-    tensor_map_store(scratch + 128 * index, template)
-    tensor_map_address(scratch + 128 * index, global_address(array, 0, 0, 0, 0))
+@functools.lru_cache(maxsize=None)
+def make_map_writer(varlen):
+    """write_map(scratch, index, array, template, row0, rows): (one lane) map `index` in the
+    warp's shared scratch, the template with the address of array's row `row0` (0 without
+    varlen); with varlen the tensor's rows set to the sequence's `rows` (at least one: an
+    empty sequence's map is written but never copied through)."""
+
+    @cuda.jit(device=True, inline="always")
+    def write_map(scratch, index, array, template, row0, rows):
+        tensor_map_store(scratch + 128 * index, template)
+        tensor_map_address(scratch + 128 * index, global_address(array, 0, row0, 0, 0))
+        if varlen:
+            tensor_map_rows(scratch + 128 * index, max(rows, 1))
+
+    return write_map
 
 
 @cuda.jit(device=True, inline="always")
-def publish_maps(scratch, maps, count):
+def publish_maps(scratch, maps, first, count):
     """(The whole warp, after write_map of maps 0..count-1 by one lane) the maps copied from
-    the scratch to their global slots, fenced for the copy engine's reads."""
+    the scratch to the global slots first..first+count-1, fenced for the copy engine's reads."""
     syncwarp()
     for i in range(count):
-        tensor_map_publish(map_slot(maps, i), scratch + 128 * i)
+        tensor_map_publish(map_slot(maps, first + i), scratch + 128 * i)

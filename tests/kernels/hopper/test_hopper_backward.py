@@ -259,3 +259,30 @@ def test_a_short_gqa_grid_on_the_gpu_and_its_replay(rng, sums, shape):
     for name, got, again, base, want in zip(("dq", "dk", "dv"), *grads, bases, wants):
         assert_within_rule(name, got.astype(np.float32), base, want, "float16")
         np.testing.assert_array_equal(again, got)
+
+
+def test_a_varlen_sequence_never_reads_the_next_ones_rows(rng):
+    """The backward's tensor maps end at each sequence's last row too (tensor_maps.py): its
+    dK/dV kernel's query tiles and its dQ kernel's key tiles stop there, so that the next
+    sequence's non-finite q, k, v and dout (NaN here, and so its out and lse) never reach
+    this sequence's gradients (0 · NaN)."""
+    import numpy as np
+
+    import numba_flash
+    from numba_flash.reference import attention_backward
+    from numba_flash.spec import make_spec
+    q, dout = (rng.standard_normal((60, 1, 64)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((80, 1, 64)).astype(np.float16) for _ in range(2))
+    q[40:], dout[40:], k[50:], v[50:] = np.nan, np.nan, np.nan, np.nan
+    cu_q, cu_k = np.array([0, 40, 60], np.int32), np.array([0, 50, 80], np.int32)
+    out, lse = numba_flash.forward_varlen(q, k, v, cu_q, cu_k, 40, 50, causal=True,
+                                          backend="numba-hopper")
+    grads = numba_flash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 40, 50,
+                                        causal=True, backend="numba-hopper")
+    first = [x[None, :n].astype(np.float64) for x, n in ((dout, 40), (q, 40), (k, 50),
+                                                          (v, 50), (out, 40))]
+    wants = attention_backward(np, *first, lse[None, :, :40].astype(np.float64),
+                               make_spec(first[1], first[2], causal=True), np.float64)
+    for name, got, n, want in zip(("dq", "dk", "dv"), grads, (40, 50, 50), wants):
+        assert np.isfinite(got[:n]).all(), name
+        np.testing.assert_allclose(got[:n].astype(np.float64), want[0], atol=5e-3, err_msg=name)

@@ -12,8 +12,7 @@ from mma_cases import run_forward
 from mask_mods import document_mask, gapped_mask
 
 from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS,
-                                                      HopperConfig, copies_for,
-                                                      hopper_backward_config,
+                                                      HopperConfig, hopper_backward_config,
                                                       hopper_forward_config)
 from numba_flash.backends.numba.hopper.fwd import (hopper_forward_kernel,
                                                    hopper_forward_kernel_function,
@@ -33,7 +32,8 @@ SIMULATOR_CASES = [
     ((1, 60, 75, 2, 64), 1, False, "float16", HopperConfig(32, turns=False),
      dict(window_left=20, window_right=5, softcap=2.0, alibi=True)),
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperConfig(32),
-     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences (cp.async)
+     dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen (maps per sequence),
+    #                                                            empty sequences
     ((2, 70, 50, 2, 64), 1, True, "float16", HopperConfig(32, copy_engine=False), {}),
     ((1, 200, 150, 1, 64), None, True, "bfloat16", HopperConfig(64, consumers=3), {}),  # d64's
     #                          three consumers taking turns round a ring, two query tiles
@@ -61,7 +61,9 @@ ORDER_CASES = [
      dict(mask_mod=gapped_mask)),  # (two tiles and three heads whose tables differ)
     ((1, 150, 90, 3, 64), None, True, "float16", HopperConfig(32, copy_engine=False), {}),
     ((3, 130, 60, 3, 64), 1, True, "float16", HopperConfig(32),
-     dict(lengths=[(130, 60), (0, 7), (40, 0)])),  # varlen (cp.async), empty sequences
+     dict(lengths=[(130, 60), (0, 7), (40, 0)])),  # varlen, empty sequences
+    ((3, 130, 60, 3, 64), 1, True, "float16", HopperConfig(32, copy_engine=False),
+     dict(lengths=[(100, 60), (30, 7), (0, 0)])),  # varlen on cp.async (refused maps)
 ]
 
 GPU_SHAPES = [(2, 1000, 1000, 4, 64), (1, 2048, 2048, 8, 128), (1, 777, 1500, 4, 128),
@@ -147,16 +149,14 @@ def test_head_dims_and_tiles_the_kernels_refuse():
 
 def test_the_copy_engine_takes_what_it_can_read():
     """The forward's producer takes the copy engine wherever its maps encode (contiguous or
-    strided 16-byte rows), cp.async for varlen and for strides that are not multiples of 16
-    bytes (so the simulator cases above run the copy engine but for those marked cp-async)."""
-    config = HopperConfig(64)
+    strided 16-byte rows; varlen too, its maps per sequence, on two consumers), cp.async for
+    strides that are not multiples of 16 bytes (so the simulator cases above run the copy
+    engine but for those marked cp-async)."""
     q = np.zeros((2, 100, 4, 64), np.uint16)
     strided = np.zeros((2, 100, 8, 64), np.uint16)[:, :, ::2]
     odd = np.zeros((2, 100, 4, 68), np.uint16)[..., :64]  # (rows 136 bytes apart)
     assert map_templates(((q, 128), (strided, 64), (strided, 64))) is not None
     assert map_templates(((q, 128), (odd, 64), (q, 64))) is None
-    assert not copies_for(AttentionSpec(64, "float16", varlen=True), config).copy_engine
-    assert copies_for(AttentionSpec(64, "float16"), config).copy_engine
     # (d64's three consumers come with the copy engine only: the table of cp.async has two)
     for head_dim in (64, 128, 256):
         dense = hopper_forward_config(head_dim, AttentionSpec(head_dim, "float16"))
@@ -164,16 +164,16 @@ def test_the_copy_engine_takes_what_it_can_read():
                                                                varlen=True))
         refused = hopper_forward_config(head_dim, AttentionSpec(head_dim, "float16"),
                                         copy_engine=False)
-        assert dense.copy_engine and not varlen.copy_engine and not refused.copy_engine
-        assert varlen.consumers == refused.consumers == 2 and varlen.registers
+        assert dense.copy_engine and varlen.copy_engine and not refused.copy_engine
+        assert varlen.consumers == refused.consumers == 2 and refused.registers
     assert hopper_forward_config(64, AttentionSpec(64, "float16")).consumers == 3
 
 
 def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
     """A mask_mod's kernels compile clean on d128 64-key tiles only with the copy engine's
-    consumer registers; with cp.async (varlen, refused maps), or an attn_mask beside it,
-    they keep the masked table's narrower tiles (those take every variant without spills).
-    Without GQA its dK/dV kernel takes wider query tiles."""
+    consumer registers (varlen's too); with cp.async (refused maps), or an attn_mask beside
+    it, they keep the masked table's narrower tiles (those take every variant without
+    spills). Without GQA its dK/dV kernel takes wider query tiles."""
     for head_dim in (64, 128):
         spec = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask)
         masked = AttentionSpec(head_dim, "float16", causal=True, attn_mask="float16")
@@ -184,9 +184,10 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         for config_of in (hopper_forward_config, hopper_backward_config):  # (dQ: block_n)
             narrow = config_of(head_dim, masked).block_n
             assert config_of(head_dim, both).block_n == narrow
-            assert config_of(head_dim, varlen).block_n == narrow
+            assert config_of(head_dim, varlen, copy_engine=False).block_n == narrow
             assert config_of(head_dim, spec, copy_engine=False).block_n == narrow
             assert config_of(head_dim, spec).copy_engine
+            assert config_of(head_dim, varlen) == config_of(head_dim, spec)
             wide = config_of(head_dim, spec).block_n
             assert wide == 64 and (wide > narrow) == (head_dim == 128)
         # dK/dV: twice the masked table's query tiles without GQA (the lean producer spilled
@@ -197,16 +198,20 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         assert hopper_backward_config(head_dim, spec).block_m == 2 * masked_rows
         assert hopper_backward_config(head_dim, gqa).wide_producer
         assert not hopper_backward_config(head_dim, spec).wide_producer
-        # with cp.async (varlen) and GQA d128's consumers take registers from the producer
+        # with cp.async and GQA d128's consumers take registers from the producer
         varlen_gqa = AttentionSpec(head_dim, "float16", causal=True, mask_mod=document_mask,
                                    group=4, varlen=True)
         masked_registers = hopper_backward_config(head_dim, masked, copy_engine=False).registers
         split = BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS.get(head_dim, masked_registers)
         assert (head_dim == 128) == (split != masked_registers)
-        for refused in (False, True):  # (varlen, and maps the driver refused)
-            assert hopper_backward_config(head_dim, varlen_gqa if not refused else gqa,
-                                          copy_engine=not refused).registers == split
-        assert hopper_backward_config(head_dim, varlen).registers == masked_registers
+        for spec_gqa in (gqa, varlen_gqa):
+            assert hopper_backward_config(head_dim, spec_gqa,
+                                          copy_engine=False).registers == split
+        # (varlen with both keeps cp.async: its d64 dK/dV spilled on the copy engine)
+        assert hopper_backward_config(head_dim, varlen_gqa) == \
+            hopper_backward_config(head_dim, varlen_gqa, copy_engine=False)
+        assert hopper_backward_config(head_dim, varlen, copy_engine=False).registers == \
+            masked_registers
         assert hopper_backward_config(head_dim, gqa).registers != \
             BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS[128]
 
@@ -227,9 +232,10 @@ def test_the_roles_share_the_registers_the_block_holds(monkeypatch):
 
 
 def test_a_varlen_sequence_never_reads_the_next_ones_keys(rng):
-    """varlen copies with cp.async, which stops at each sequence's end: the copy engine's box
-    would run on into the next sequence's rows, and non-finite values there would reach this
-    sequence's output (0 · NaN). The second sequence's keys and values are NaN here."""
+    """A varlen sequence's tensor maps end at its last row (tensor_maps.py), as cp.async's
+    loaders stop there: a box that ran on into the next sequence's rows would bring its
+    non-finite values into this sequence's output (0 · NaN). The second sequence's keys and
+    values are NaN here."""
     import numba_flash
     q = rng.standard_normal((60, 1, 64)).astype(np.float16)
     k, v = (rng.standard_normal((80, 1, 64)).astype(np.float16) for _ in range(2))

@@ -20,8 +20,8 @@ from .mma import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2, unpack_bf16x2, unpa
 from .rcp import reciprocal
 from .shared import load_f32x4, opaque, shared_address, shared_base, shared_tile
 from .tensor_copy import (MAP_WORDS, TensorMapRefused, map_slot, tensor_copy_4d, tensor_map_acquire,
-                          tensor_map_address, tensor_map_publish, tensor_map_store,
-                          tensor_map_template)
+                          tensor_map_address, tensor_map_publish, tensor_map_rows,
+                          tensor_map_store, tensor_map_template)
 from .warp import shfl_xor, syncwarp
 from .warpgroup import (named_barrier_arrive, named_barrier_sync, setmaxnreg_dec,
                         setmaxnreg_inc)
@@ -41,6 +41,6 @@ __all__ = ["advance", "bits_of_float32", "cp_async_16", "cp_async_16_from", "cp_
            "named_barrier_arrive", "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2",
            "reciprocal", "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "SHARED_ALIGN",
            "shared_base", "shared_tile", "shfl_xor", "SIMULATED", "syncwarp", "tensor_copy_4d",
-           "tensor_map_acquire", "tensor_map_address", "tensor_map_publish", "tensor_map_store",
-           "tensor_map_template", "TensorMapRefused", "unpack_bf16x2", "unpack_f16x2",
+           "tensor_map_acquire", "tensor_map_address", "tensor_map_publish", "tensor_map_rows",
+           "tensor_map_store", "tensor_map_template", "TensorMapRefused", "unpack_bf16x2", "unpack_f16x2",
            "wgmma_commit", "wgmma_fence", "wgmma_wait"]

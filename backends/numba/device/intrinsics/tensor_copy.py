@@ -76,6 +76,10 @@ _U32, _U64, _I32 = types.uint32, types.uint64, types.int32
 _tensor_map_address = operand_instruction(
     "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
     "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], ga; }", (_U32, _U64))
+#: set the rows (dimension 2, innermost first) of the tensor the map at a shared address
+#: describes: a varlen sequence's own, so that a box stops at the sequence's end
+_tensor_map_rows = operand_instruction(
+    "tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [$0], 2, $1;", (_U32, _U32))
 #: copy the map at a shared address to a global slot (a generic address, 128-byte aligned)
 #: and release it to the copy engine; every thread of the warp calls it together, after the
 #: writes to the map (a warp barrier between)
@@ -177,6 +181,12 @@ def _tensor_map_address_python(scratch, address):
     _scratch_addresses()[(id(scratch.array), scratch.byte_offset)] = address
 
 
+def _tensor_map_rows_python(scratch, rows):
+    if not 1 <= rows < 1 << 32:
+        raise ValueError(f"a map's dimension has 1 to 2**32 - 1 elements; got {rows}")
+    _words_at(scratch).view(np.uint64)[5] = rows  # (the twin's dims: words 3-6)
+
+
 def _tensor_map_publish_python(slot, scratch):
     if not isinstance(slot, _GlobalAddress) or slot.byte_offset % 128:
         raise ValueError(f"a map slot is a 128-byte aligned global address; got {slot!r}")
@@ -245,10 +255,12 @@ def _tensor_copy_4d_python(destination, slot, c0, c1, c2, c3, barrier):
 
 if SIMULATED:
     tensor_map_store, tensor_map_address = _tensor_map_store_python, _tensor_map_address_python
+    tensor_map_rows = _tensor_map_rows_python
     tensor_map_publish, tensor_map_acquire = _tensor_map_publish_python, _tensor_map_acquire_python
     map_slot, tensor_copy_4d = _map_slot_python, _tensor_copy_4d_python
 else:
     tensor_map_store, tensor_map_address = _tensor_map_store, _tensor_map_address
+    tensor_map_rows = _tensor_map_rows
     tensor_map_publish, tensor_map_acquire = _tensor_map_publish, _tensor_map_acquire
     map_slot, tensor_copy_4d = _map_slot, _tensor_copy_4d
     name_for_cache(globals(), __name__)
