@@ -374,11 +374,11 @@ def launch_hopper_forward(spec, q, k, v, out, lse, stream=0, config=None, extras
     at; lse: float32 (batch, nheads, seqlen_q). `extras`: the kernels' (alibi_slopes,
     cu_seqlens_q, cu_seqlens_k, attn_mask) (marshal.kernel_extras); `tiles`: a mask_mod's
     tile tables (tile_classes.py); `maps`: a scratch int64 array of this call, of shape
-    tensor_maps.map_slot_shape(sequences), for the copy engine's tensor maps, never shared with a launch that
-    may run at the same time (made here if not given: a NumPy array for host inputs, else a
-    Numba device array). `multiprocessors`: the GPU's, for the grid's layout (grids.py; 0:
-    the plain layout). `config` overrides hopper_forward_config (the engine's choice:
-    key_tiles.py; tests, tuning)."""
+    tensor_maps.map_slot_shape(sequences), for the copy engine's tensor maps, never shared
+    with a launch that may run at the same time (made here if not given: a NumPy array for
+    host inputs, else a Numba device array). `multiprocessors`: the GPU's, for the grid's
+    layout (grids.py; 0: the plain layout). `config` overrides hopper_forward_config (the
+    engine's choice: key_tiles.py; tests, tuning)."""
     _, kernel, grid, threads, shared_bytes, args = hopper_forward_launch(
         spec, q, k, v, out, lse, config, extras, tiles, maps, multiprocessors)
     launch(kernel, grid, threads, stream, shared_bytes, *args)

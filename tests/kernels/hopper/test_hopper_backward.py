@@ -279,8 +279,8 @@ def test_a_varlen_sequence_never_reads_the_next_ones_rows(rng):
                                           backend="numba-hopper")
     grads = numba_flash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 40, 50,
                                         causal=True, backend="numba-hopper")
-    first = [x[None, :n].astype(np.float64) for x, n in ((dout, 40), (q, 40), (k, 50),
-                                                          (v, 50), (out, 40))]
+    first = [x[None, :n].astype(np.float64)
+             for x, n in ((dout, 40), (q, 40), (k, 50), (v, 50), (out, 40))]
     wants = attention_backward(np, *first, lse[None, :, :40].astype(np.float64),
                                make_spec(first[1], first[2], causal=True), np.float64)
     for name, got, n, want in zip(("dq", "dk", "dv"), grads, (40, 50, 50), wants):

@@ -41,6 +41,7 @@ __all__ = ["advance", "bits_of_float32", "cp_async_16", "cp_async_16_from", "cp_
            "named_barrier_arrive", "named_barrier_sync", "opaque", "pack_bf16x2", "pack_f16x2",
            "reciprocal", "setmaxnreg_dec", "setmaxnreg_inc", "shared_address", "SHARED_ALIGN",
            "shared_base", "shared_tile", "shfl_xor", "SIMULATED", "syncwarp", "tensor_copy_4d",
-           "tensor_map_acquire", "tensor_map_address", "tensor_map_publish", "tensor_map_rows",
-           "tensor_map_store", "tensor_map_template", "TensorMapRefused", "unpack_bf16x2", "unpack_f16x2",
+           "tensor_map_acquire", "tensor_map_address", "tensor_map_publish",
+           "tensor_map_rows", "tensor_map_store", "tensor_map_template", "TensorMapRefused",
+           "unpack_bf16x2", "unpack_f16x2",
            "wgmma_commit", "wgmma_fence", "wgmma_wait"]
