@@ -75,6 +75,17 @@ def test_a_mask_mod_forward_takes_128_keys_where_they_keep_no_local_memory(
     assert len(local_memory["asked"]) == 3 and local_memory["asked"][2][0] is not kernel
 
 
+def test_a_varlen_mask_mod_forward_takes_two_consumers_on_128_keys(rng, local_memory,
+                                                                   launches):
+    """varlen's wide tiles at d64 are two consumers' (three spilled holding a sequence's
+    bounds: config.py)."""
+    q, k, v = (x[0] for x in _qkv(rng, 64, seqlen=90))
+    cu = np.array([0, 50, 90], np.int32)
+    numba_flash.forward_varlen(q, k, v, cu, cu, 50, 50, causal=True, mask_mod=gapped_mask,
+                               backend="numba-hopper")
+    assert launches[0][0] == HopperConfig(128)
+
+
 def test_the_simulator_keeps_the_mask_mod_tables_tiles(rng, launches):
     """Left alone, the probe compiles nothing under the simulator: 64-key tiles, as the
     mask_mod table says."""
