@@ -290,9 +290,9 @@ def mask_mod_wide_forward_config(head_dim, spec):
     """For a call hopper_forward_config gives the mask_mod table's config: the plain table's
     (128-key tiles, the copy engine; varlen's two consumers at d64), or None for other
     calls. The engine takes it where the call's forward compiles there without local memory
-    (key_tiles.py): 64-key tiles cost
-    15-25 % of the forward's speed, but at 128 keys some calls spill (a mask_mod's code, the
-    variants, strided arrays), and those compile both kernels on their first call."""
+    (key_tiles.py): 64-key tiles cost 15-25 % of the forward's speed, but at 128 keys some
+    calls spill (a mask_mod's code, the variants, strided arrays), and those compile both
+    kernels on their first call."""
     if (head_dim % 16 or _table(spec, True, _FORWARD_TABLES) is not _HOPPER_FORWARD_MASK_MOD
             or lookup(_HOPPER_FORWARD_MASK_MOD, head_dim) is None):
         return None
