@@ -79,7 +79,8 @@ OPT_IN_SHARED_BYTES = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 10
 
 COUNTED = ("fma.rn.f32", "ld.shared", "ld.shared.v4", "ld.shared.v4.f32", "st.shared",
            "ex2.approx", "bar.sync", "mma.sync", "ldmatrix", "cp.async.cg", "wgmma.mma_async",
-           "setmaxnreg", "mbarrier.try_wait", "cp.async.bulk.tensor")
+           "setmaxnreg", "mbarrier.try_wait", "cp.async.bulk.tensor",
+           "tensormap.replace.tile.global_dim")
 
 
 def find_ptxas():
@@ -263,7 +264,7 @@ MAPS, BACKWARD_MAPS = ("int64[:, ::1], UniTuple(UniTuple(uint64, 16), 3)",
 
 def _hopper_specs(head_dim, dtype, variants):
     """_specs, and after the mask_mod's the same without GQA ("mask_mod_mha") and with varlen
-    ("mask_mod_varlen": cp.async and the masked table)."""
+    ("mask_mod_varlen": its backward on cp.async and the masked table)."""
     for kind, spec, extras in _specs(head_dim, dtype, variants):
         yield kind, spec, extras
         if kind == "mask_mod":

@@ -168,3 +168,11 @@ def run_backward(rng, shape, causal, dtype, config, kv_heads=None, lengths=None,
     bases = plain16_backward(np, do, q, k, v, out, lse, spec, dtype, case.extras)
     for name, got, base, ref in zip(("dq", "dk", "dv"), grads, bases, refs):
         assert_within_rule(name, decode(case.ref(got), dtype), base, ref, "float16")
+
+
+def sequence_map_rows(maps, count):
+    """The rows of the Hopper kernels' tensor maps published to each varlen sequence's slots
+    (hopper/tensor_maps.py; the simulator's map words: dims at 3-6, rows the third), as
+    (sequences, count) for the first `count` maps of each."""
+    words = maps.copy_to_host() if hasattr(maps, "copy_to_host") else np.asarray(maps)
+    return words.view(np.uint64)[:, 5].reshape(-1, 4)[:, :count]

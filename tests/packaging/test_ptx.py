@@ -115,10 +115,10 @@ def test_the_decode_kernels_compiled(reports):
 
 def test_the_hopper_kernels_compiled_for_sm_90a(reports):
     """The forward and the backward: wgmma products from the PTX on, register reallocation for
-    the two roles, the mbarrier pipeline fed by the copy engine (the forward but varlen) or
-    cp.async (the backward, and the forward with varlen: the "variants" spec), and no ptxas
-    warning (C7508: setmaxnreg ignored; C7512, C7513, C7515: wgmma serialised): a warning
-    fails here."""
+    the two roles, the mbarrier pipeline fed by the copy engine (varlen's kernels, the
+    "variants" spec and "mask_mod_varlen", narrowing each sequence's maps to its rows) or
+    cp.async (d64's backward of a mask_mod with GQA and varlen), and no ptxas warning (C7508:
+    setmaxnreg ignored; C7512, C7513, C7515: wgmma serialised): a warning fails here."""
     found = {r["kernel"]: r for r in reports if r["cc"] == "90a"}
     # D/16 + block_n/16 per tile, written twice where the consumers take turns (the first
     # tile's S and the last tile's P V stand apart from the loop's products): d256 does not
@@ -151,11 +151,14 @@ def test_the_hopper_kernels_compiled_for_sm_90a(reports):
     for name, r in found.items():
         if name.startswith("bwd_group_sums"):  # (plain loads and stores: no pipeline)
             continue
-        # (the variants spec is varlen: cp.async)
-        copy_engine = "_variants_" not in name and "_varlen_" not in name
+        # (a mask_mod with GQA and varlen: d64's backward on cp.async; the variants spec is
+        # varlen too)
+        varlen = "_variants_" in name or "_varlen_" in name
+        copy_engine = not (name.startswith("hopper_bwd_") and "_d64_mask_mod_varlen_" in name)
         copies = r["cp.async.bulk.tensor"] if copy_engine else r["cp.async.cg"]
         assert r["setmaxnreg"] == 2 and r["mbarrier.try_wait"] > 0 and copies > 0, r
         assert r["cp.async.bulk.tensor" if not copy_engine else "cp.async.cg"] == 0, r
+        assert (r["tensormap.replace.tile.global_dim"] > 0) == (varlen and copy_engine), r
         assert r["ptxas_warnings"] == [], (name, r["ptxas_warnings"])
 
 

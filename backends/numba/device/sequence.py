@@ -6,7 +6,9 @@ headdim), lse (1, nheads, total_q); grid.z runs over the sequences and cu_seqlen
 each starts. A kernel then works in the sequence's own coordinates (m0, n0, seqlen_q,
 seqlen_k: what the mask and block_range take) and adds q_start / k_start where it reads or
 writes an array, whose row bound is q_start + seqlen_q (the loaders zero-fill past it and the
-stores skip it, so a tile never touches the next sequence's rows).
+stores skip it, so a tile never touches the next sequence's rows). The Hopper kernels' copy
+engine reads through maps of the sequence's own rows instead (hopper/tensor_maps.py), in the
+sequence's coordinates.
 """
 import functools
 

@@ -19,7 +19,7 @@ from .bwd_dk_dv import hopper_dk_dv_kernel_function
 from .bwd_dq import hopper_dq_kernel_function
 from .config import hopper_backward_config, hopper_backward_shared_bytes
 from .grids import backward_grid, grid_shape
-from .tensor_maps import MAP_COUNT, map_slots, map_templates, no_templates
+from .tensor_maps import MAP_COUNT, check_map_slots, map_slots, map_templates, no_templates
 
 
 def _compiled(function, config, spec):
@@ -75,6 +75,8 @@ def launch_hopper_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, str
         dk_dv_templates = dq_templates = no_templates(MAP_COUNT)
     sequences = batch if spec.varlen else 1  # (varlen: maps per sequence, tensor_maps.py)
     dk_dv_maps, dq_maps = maps or [map_slots(lse, sequences) for _ in range(2)]
+    check_map_slots(dk_dv_maps, sequences)
+    check_map_slots(dq_maps, sequences)
     kernel_spec = spec.for_kernels(head_dim=head_dim)
     key_tiles, kv_heads = -(-seqlen_k // config.rows), k.shape[2]
     query_tiles = -(-seqlen_q // config.rows)

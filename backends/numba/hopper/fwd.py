@@ -65,8 +65,8 @@ from .layout import ATOM_BYTES, K_MAJOR_LEADING, ROW_BYTES, make_tile_copy, make
 from .products import (announce_all, announce_previous, barrier_words, empty_barrier,
                        free_parity, full_barrier, full_parity, make_barrier_init,
                        make_register_products, make_score_products)
-from .tensor_maps import (MAP_COUNT, SCRATCH_WORDS, make_map_writer, map_slots, map_templates,
-                          no_templates, publish_maps)
+from .tensor_maps import (MAP_COUNT, SCRATCH_WORDS, check_map_slots, make_map_writer, map_slots,
+                          map_templates, no_templates, publish_maps)
 from .turns import give_turn, open_turns, take_turn
 
 
@@ -401,8 +401,10 @@ def hopper_forward_launch(spec, q, k, v, out, lse, config=None, extras=None, til
         config = (hopper_forward_config(head_dim, spec, copy_engine=False) if chosen else
                   dataclasses.replace(config, copy_engine=False))
         templates = no_templates(3)
+    sequences = batch if spec.varlen else 1  # (varlen: maps per sequence, tensor_maps.py)
     if maps is None:
-        maps = map_slots(lse, batch if spec.varlen else 1)
+        maps = map_slots(lse, sequences)
+    check_map_slots(maps, sequences)
     query_tiles = -(-seqlen_q // config.block_m)
     queries_slowest = tiles_slowest(spec, query_tiles * nheads * batch, multiprocessors)
     kernel = hopper_forward_kernel(config, spec.for_kernels(head_dim=head_dim), queries_slowest)

@@ -38,6 +38,14 @@ def map_slot_shape(sequences):
     return (sequences * MAP_COUNT, MAP_WORDS)
 
 
+def check_map_slots(maps, sequences):
+    """Refuse a scratch of map slots too small for a call of `sequences` sequences (the
+    kernels would publish past it)."""
+    if maps.shape[0] < sequences * MAP_COUNT:
+        raise ValueError(f"maps: {sequences * MAP_COUNT} slots for {sequences} sequences "
+                         f"(map_slot_shape); got {maps.shape[0]}")
+
+
 def map_slots(like, sequences=1):
     """A scratch array for the maps of one kernel of a call (launch.scratch_like's)."""
     return scratch_like(like)(map_slot_shape(sequences), np.int64)

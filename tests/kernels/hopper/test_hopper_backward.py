@@ -5,7 +5,7 @@ sm_90 GPU at real sizes."""
 import functools
 
 import pytest
-from mma_cases import run_backward
+from mma_cases import run_backward, sequence_map_rows
 from mask_mods import gapped_mask
 
 from numba_flash.backends.numba.device.group_sums import launch_group_sums
@@ -19,7 +19,7 @@ from numba_flash.spec import AttentionSpec
 # (each case simulates three warpgroups of Python threads through two kernels: a few cases,
 # the variants' rules being the shared device modules', which tests/variants and the GPU
 # variant suite run through these kernels; the producers copy with the copy engine but in
-# the varlen case, config.copies_for, and the one marked cp.async)
+# the cases marked cp.async; varlen's maps per sequence, tensor_maps.py)
 SIMULATOR_CASES = [
     ((1, 40, 90, 2, 64), 1, True, "bfloat16", HopperBackwardConfig(32, 32),
      dict(window_left=20, softcap=2.0, alibi=True)),  # GQA, a window, softcap, ALiBi
@@ -29,6 +29,8 @@ SIMULATOR_CASES = [
     ((4, 40, 50, 1, 64), None, True, "bfloat16", HopperBackwardConfig(32, 32),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)], alibi=True)),  # varlen, empty
     #   sequences; with ALiBi, the dQ kernel's consumers do not take turns
+    ((3, 40, 50, 2, 64), 1, True, "float16", HopperBackwardConfig(32, 32, copy_engine=False),
+     dict(lengths=[(40, 33), (7, 0), (20, 50)])),  # varlen on cp.async (refused maps)
 ]
 
 # masks: a mask_mod whose tile tables leave an empty tile inside the ranges of both kernels
@@ -286,3 +288,35 @@ def test_a_varlen_sequence_never_reads_the_next_ones_rows(rng):
     for name, got, n, want in zip(("dq", "dk", "dv"), grads, (40, 50, 50), wants):
         assert np.isfinite(got[:n]).all(), name
         np.testing.assert_allclose(got[:n].astype(np.float64), want[0], atol=5e-3, err_msg=name)
+
+
+def test_each_varlen_sequence_publishes_its_own_backward_maps(rng, monkeypatch):
+    """Both backward kernels publish each sequence's maps to its own slots (q, dout, k, v):
+    the dK/dV kernel's blocks of a sequence with keys, the dQ kernel's of one with queries
+    (the others leave before they write any; an empty side's maps get one row, never copied
+    through)."""
+    import numpy as np
+
+    import numba_flash
+    from numba_flash.backends.numba.hopper import engine
+    seen = []
+
+    def spy(*args, maps=None, **kwargs):
+        seen.append(maps)
+        return launch_hopper_backward(*args, maps=maps, **kwargs)
+    monkeypatch.setattr(engine, "launch_hopper_backward", spy)
+    lengths_q, lengths_k = [20, 0, 45, 7], [30, 9, 0, 7]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                  for n in (lengths_q, lengths_k))
+    q, dout = (rng.standard_normal((cu_q[-1], 2, 64)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((cu_k[-1], 1, 64)).astype(np.float16) for _ in range(2))
+    out, lse = numba_flash.forward_varlen(q, k, v, cu_q, cu_k, 45, 30, backend="numba-hopper")
+    numba_flash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 45, 30,
+                                backend="numba-hopper")
+    dk_dv_rows, dq_rows = (sequence_map_rows(maps, 4) for maps in seen[0])
+    for s, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        want = [max(n_q, 1)] * 2 + [max(n_k, 1)] * 2
+        if n_k:
+            assert list(dk_dv_rows[s]) == want, ("dK/dV", s, list(dk_dv_rows[s]))
+        if n_q:
+            assert list(dq_rows[s]) == want, ("dQ", s, list(dq_rows[s]))

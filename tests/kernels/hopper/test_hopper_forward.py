@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 import pytest
-from mma_cases import run_forward
+from mma_cases import run_forward, sequence_map_rows
 from mask_mods import document_mask, gapped_mask
 
 from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS,
@@ -207,9 +207,9 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         for spec_gqa in (gqa, varlen_gqa):
             assert hopper_backward_config(head_dim, spec_gqa,
                                           copy_engine=False).registers == split
-        # (varlen with both keeps cp.async: its d64 dK/dV spilled on the copy engine)
-        assert hopper_backward_config(head_dim, varlen_gqa) == \
-            hopper_backward_config(head_dim, varlen_gqa, copy_engine=False)
+        # (varlen with both keeps cp.async at d64: its dK/dV spilled on the copy engine)
+        assert hopper_backward_config(head_dim, varlen_gqa) == hopper_backward_config(
+            head_dim, varlen_gqa if head_dim == 64 else gqa, copy_engine=head_dim != 64)
         assert hopper_backward_config(head_dim, varlen, copy_engine=False).registers == \
             masked_registers
         assert hopper_backward_config(head_dim, gqa).registers != \
@@ -245,6 +245,37 @@ def test_a_varlen_sequence_never_reads_the_next_ones_keys(rng):
     want, _ = numba_flash.forward(q[None, :40], k[None, :50], v[None, :50], backend="numpy")
     assert np.isfinite(out[:40]).all()
     np.testing.assert_allclose(out[:40].astype(np.float64), want[0], atol=2e-3)
+
+
+def test_each_varlen_sequence_publishes_its_own_maps(rng, monkeypatch):
+    """The slots of sequence s (s * MAP_COUNT..) hold maps of its own rows: q's, then k's and
+    v's (a sequence without queries leaves before it writes any: its slots are scratch left
+    as allocated; one without keys gets maps of one row, never copied through)."""
+    import numba_flash
+    from numba_flash.backends.numba.hopper import engine
+    seen = []
+
+    def spy(*args, maps=None, **kwargs):
+        seen.append(maps)
+        return launch_hopper_forward(*args, maps=maps, **kwargs)
+    monkeypatch.setattr(engine, "launch_hopper_forward", spy)
+    lengths_q, lengths_k = [20, 0, 45, 7], [30, 9, 0, 7]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                  for n in (lengths_q, lengths_k))
+    q = rng.standard_normal((cu_q[-1], 2, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 64)).astype(np.float16) for _ in range(2))
+    numba_flash.forward_varlen(q, k, v, cu_q, cu_k, 45, 30, backend="numba-hopper")
+    rows = sequence_map_rows(seen[0], 3)
+    for s, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        if n_q:
+            assert list(rows[s]) == [n_q, max(n_k, 1), max(n_k, 1)], (s, list(rows[s]))
+
+
+def test_map_slots_too_few_for_the_sequences_are_refused():
+    from numba_flash.backends.numba.hopper.tensor_maps import check_map_slots, map_slots
+    check_map_slots(map_slots(np.zeros(1), 3), 3)
+    with pytest.raises(ValueError, match="maps: 12 slots for 3 sequences"):
+        check_map_slots(map_slots(np.zeros(1), 2), 3)
 
 
 def test_the_api_takes_the_copy_engine(rng, monkeypatch):
