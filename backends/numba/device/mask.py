@@ -45,14 +45,19 @@ def make_mask(spec, key_bound=True):
 
     @cuda.jit(device=True, inline="always")
     def visible(row, col, seqlen_k, offset, mask_at, with_mod):
-        if key_bound and col >= seqlen_k:
-            return False
-        if right >= 0 and col > row + offset + right:
-            return False
-        if left >= 0 and col < row + offset - left:
-            return False
-        return (allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
-                and (not with_mod or mod_allows(mask_at, row, col, seqlen_k - offset,
-                                                seqlen_k)))
+        # Every test is evaluated and combined with &, without a branch per element: a
+        # mask_mod's reads of one row's (or key's) values then load once for the lane's
+        # elements, and the warp never diverges inside a tile.
+        seen = True
+        if key_bound:
+            seen = col < seqlen_k
+        if right >= 0:
+            seen = seen & (col <= row + offset + right)
+        if left >= 0:
+            seen = seen & (col >= row + offset - left)
+        seen = seen & allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
+        if with_mod:
+            seen = seen & mod_allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
+        return seen
 
     return visible

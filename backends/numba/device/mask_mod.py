@@ -2,12 +2,13 @@
 table.
 
 mask_mod(b, h, q_idx, kv_idx) -> bool (spec.mask_mod) is compiled as a device function of
-the kernel that calls it and called only inside the bounds (row < seqlen_q, col < seqlen_k:
-a function that indexes an array by q_idx or kv_idx never reads past it), for the elements of
-partial tiles. b is the block's sequence (blockIdx.z: the batch entry, or varlen's sequence),
-h its query head, both passed in `mask_at` (device/attn_mask.py), whose last item is the tuple
-of the arrays mask_mod captures (numba_flash/mask_mod.py: spec.mask_mod is its
-MaskModProgram, the function taking them after the four indices; a kernel argument).
+the kernel that calls it and called for the elements of partial tiles, only with indices
+inside the bounds (q_idx < seqlen_q, kv_idx < seqlen_k: a function that indexes an array by
+them never reads past it); a row or key past the end asks about the nearest one inside and is
+not seen, whatever the answer. b is the block's sequence (blockIdx.z: the batch entry, or
+varlen's sequence), h its query head, both passed in `mask_at` (device/attn_mask.py), whose
+last item is the tuple of the arrays mask_mod captures (numba_flash/mask_mod.py: spec.mask_mod
+is its MaskModProgram, the function taking them after the four indices; a kernel argument).
 
 Which tiles need it says the tile table (backends/numba/tile_classes.py builds it before the
 attention kernels run, for their tile shape): `tiles = (classes, spans)`, classes[b, h,
@@ -39,10 +40,10 @@ def make_mask_mod_reader(spec):
     # this program's count of them)
     arrays = "".join(f", captured[{i}]" for i in range(len(mask_mod.captured)))
     source = ("def mod_allows(mask_at, row, col, seqlen_q, seqlen_k):\n"
-              "    if row >= seqlen_q or col >= seqlen_k:\n"
-              "        return False\n"
               "    _, b, h, captured = mask_at\n"
-              f"    return bool(user_mask(b, h, row, col{arrays}))\n")
+              "    inside = (row < seqlen_q) & (col < seqlen_k)\n"
+              "    return inside & bool(user_mask(b, h, min(row, seqlen_q - 1), "
+              f"min(col, seqlen_k - 1){arrays}))\n")
     namespace = {"user_mask": cuda.jit(device=True, inline="always")(mask_mod.function)}
     exec(compile(source, __file__, "exec"), namespace)
     return cuda.jit(device=True, inline="always")(namespace["mod_allows"])
