@@ -5,9 +5,9 @@ dimensions have stride 0 (marshal.kernel_extras), bfloat16 as its bit patterns. 
 passes `mask_at = (attn_mask, b, h, mask_mod_arrays)`, its batch entry and query head (and
 device/mask_mod.py's captured arrays), to these readers, which read nothing outside
 seqlen_q x seqlen_k: the rows and keys past the ends that a
-kernel's last tiles compute (and never store) read the nearest row or key inside (without a
-branch): a boolean mask's answer there is "not seen", a float mask's bias is added to scores
-that are masked or never stored.
+kernel's last tiles compute (and never store) get "not seen" from a boolean mask, and a
+float mask's bias of the nearest row or key inside (read without a branch; those scores are
+masked or never stored).
 """
 import functools
 
@@ -40,9 +40,10 @@ def make_mask_readers(spec):
     def allows(mask_at, row, col, seqlen_q, seqlen_k):
         if not boolean:
             return True
+        if row >= seqlen_q or col >= seqlen_k:
+            return False
         attn_mask, b, h, _ = mask_at
-        inside = (row < seqlen_q) & (col < seqlen_k)
-        return inside & bool(attn_mask[b, h, min(row, seqlen_q - 1), min(col, seqlen_k - 1)])
+        return bool(attn_mask[b, h, row, col])
 
     @cuda.jit(device=True, inline="always")
     def bias(mask_at, row, col, seqlen_q, seqlen_k):

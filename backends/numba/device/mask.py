@@ -44,20 +44,33 @@ def make_mask(spec, key_bound=True):
     mod_allows = make_mask_mod_reader(spec)
 
     @cuda.jit(device=True, inline="always")
-    def visible(row, col, seqlen_k, offset, mask_at, with_mod):
-        # Every test is evaluated and combined with &, without a branch per element: a
-        # mask_mod's reads of one row's (or key's) values then load once for the lane's
-        # elements, and the warp never diverges inside a tile.
-        seen = True
+    def seen_with_mod(row, col, seqlen_k, offset, mask_at):
+        # Every test evaluated and combined with &, mask_mod asked at indices inside the
+        # bounds: no branch per element, so a lane's elements of one row or key share the
+        # loads a mask_mod makes
+        seen = mod_allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
         if key_bound:
-            seen = col < seqlen_k
+            seen = seen & (col < seqlen_k)
         if right >= 0:
             seen = seen & (col <= row + offset + right)
         if left >= 0:
             seen = seen & (col >= row + offset - left)
-        seen = seen & allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
+        return seen & allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, col, seqlen_k, offset, mask_at, with_mod):
         if with_mod:
-            seen = seen & mod_allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
-        return seen
+            return seen_with_mod(row, col, seqlen_k, offset, mask_at)
+        if key_bound and col >= seqlen_k:
+            return False
+        if right >= 0 and col > row + offset + right:
+            return False
+        if left >= 0 and col < row + offset - left:
+            return False
+        # (the `or`, never taken here, stays: without it ptxas spilled 40 bytes in the d64
+        # dK/dV kernel with a floating mask and every variant)
+        return (allows(mask_at, row, col, seqlen_k - offset, seqlen_k)
+                and (not with_mod or mod_allows(mask_at, row, col, seqlen_k - offset,
+                                                seqlen_k)))
 
     return visible
