@@ -250,10 +250,11 @@ def _table(spec, copy_engine, tables):
 def hopper_backward_config(head_dim, spec, copy_engine=True):
     """The Hopper backward's config for head_dim (64 or 128) and the call's spec, or None;
     copy_engine=False: the config for cp.async copies. A mask_mod with GQA and varlen keeps
-    cp.async at d64 (its dK/dV kernel spilled 32 bytes on the copy engine at every register
-    split; on cp.async it compiles clean: ptx_check's mask_mod_varlen spec)."""
+    cp.async (its dK/dV kernel spilled 32 bytes on the copy engine: at d64 at every register
+    split, at d128 with the mask test of a mask_mod's tiles branch-free; on cp.async it
+    compiles clean: ptx_check's mask_mod_varlen spec)."""
     copy_engine = copy_engine and not (spec.varlen and spec.mask_mod is not None
-                                       and spec.group > 1 and head_dim == 64)
+                                       and spec.group > 1)
     mask_mod = _HOPPER_BACKWARD_MASK_MOD if spec.group == 1 else _HOPPER_BACKWARD_MASK_MOD_GQA
     table = _table(spec, copy_engine, (_HOPPER_BACKWARD, _HOPPER_BACKWARD_CP_ASYNC,
                                        _HOPPER_BACKWARD_MASKED, mask_mod))

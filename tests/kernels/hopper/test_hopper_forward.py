@@ -207,9 +207,10 @@ def test_a_mask_mod_takes_wider_tiles_only_on_the_copy_engine():
         for spec_gqa in (gqa, varlen_gqa):
             assert hopper_backward_config(head_dim, spec_gqa,
                                           copy_engine=False).registers == split
-        # (varlen with both keeps cp.async at d64: its dK/dV spilled on the copy engine)
+        # (varlen with both keeps cp.async: its dK/dV spilled on the copy engine)
         assert hopper_backward_config(head_dim, varlen_gqa) == hopper_backward_config(
-            head_dim, varlen_gqa if head_dim == 64 else gqa, copy_engine=head_dim != 64)
+            head_dim, varlen_gqa, copy_engine=False)
+        assert not hopper_backward_config(head_dim, varlen_gqa).copy_engine
         assert hopper_backward_config(head_dim, varlen, copy_engine=False).registers == \
             masked_registers
         assert hopper_backward_config(head_dim, gqa).registers != \
