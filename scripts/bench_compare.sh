@@ -4,8 +4,8 @@
 #
 #   bash scripts/bench_compare.sh OLD_TREE NEW_TREE [bench.py arguments]
 #
-# A TREE is a folder with an importable numba_flash (for a checkout: pip install --no-deps
-# --no-build-isolation --target TREE .; then copy its scripts/ into TREE/scripts). The trees'
+# A TREE is a folder with an importable numba_flash and its scripts/ (of a commit:
+# scripts/tree_at.sh COMMIT TREE on the CPU machine, then carry TREE). The trees'
 # kernels are first compiled into their on-disk caches by small runs of the same cases, side by
 # side (one process per dtype and head dim), so that the timed runs compile nothing. The old
 # tree runs without torch's peers; PEERS (an environment variable, e.g. "--sdpa flash cudnn",

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A commit's importable tree, for judging a change against the tree before it in one GPU run
+# (bench_compare.sh OLD_TREE NEW_TREE, or any script run with the tree first on PYTHONPATH).
+#
+#   bash scripts/tree_at.sh COMMIT DIR     # on the CPU machine, in the checkout
+#
+# DIR gets numba_flash/ as the installed package lays it out (backends/ inside it, as
+# setup.cfg's package_dir maps it) and the commit's scripts/, from `git archive`: no build, no
+# pip, so DIR can be carried to the GPU machine (run's carry, e.g. ".trees") beside the working
+# tree. There, from the working tree's root:
+#
+#   (cd scripts && PYTHONPATH=$PWD/../DIR:/tmp/site python3 ../DIR/scripts/bench.py ...)
+#
+# (run from scripts/ or anywhere but the root: there the working tree's numba_flash would be
+# the one imported.)
+set -euo pipefail
+commit=$1 dir=$2
+rm -rf "$dir"
+mkdir -p "$dir"
+git archive --format=tar "$commit" numba_flash backends scripts | tar -x -C "$dir"
+mv "$dir/backends" "$dir/numba_flash/backends"
+git rev-parse --short "$commit" > "$dir/COMMIT"
+echo "$dir: numba_flash of $(cat "$dir/COMMIT")"
