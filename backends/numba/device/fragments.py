@@ -11,7 +11,7 @@ P goes from the scores' registers straight into the P V product.
 """
 import functools
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32, uint16, uint64
 
 from .constants import NEG_INF, ZERO
 from .intrinsics import pack_bf16x2, pack_f16x2, shfl_xor
@@ -111,9 +111,28 @@ def make_tile_gradients(spec, block_count, key_bound=True):
     score_and_grad = make_score_mod(spec).score_and_grad
 
     @cuda.jit(device=True, inline="always")
+    def row_seen_bits(row_lo, n0, seqlen_k, offset, mask_at):
+        """Bit 4·nb + r: whether the lane's element [0, nb, r] of a row-major tile (queries
+        row_lo, row_lo + 8; keys n0..) is seen, mask_mod asked (block_count ≤ 16). The
+        whole tile is asked before its exponentials: ex2 is inline PTX, which the compiler
+        must take to touch memory, so asked between them each element would load the
+        mask_mod's values anew (a lane's elements share 2 rows and 2·block_count keys)."""
+        t = cuda.threadIdx.x % 32 % 4
+        bits = uint64(0)
+        for nb in range(block_count):
+            for r in range(4):
+                seen = visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2, seqlen_k,
+                               offset, mask_at, True)
+                bits |= uint64(seen) << uint64(4 * nb + r)
+        return bits
+
+    @cuda.jit(device=True, inline="always")
     def row_gradients_with(s, dp, row_lo, n0, mask, with_mod, lse_lo, lse_hi, delta_lo,
                            delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at):
         t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
+        seen = uint64(0)
+        if with_mod:
+            seen = row_seen_bits(row_lo, n0, seqlen_k, offset, mask_at)
         for nb in range(block_count):
             for r in range(4):
                 hi = r >= 2
@@ -122,7 +141,10 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                 score, dscore = score_and_grad(s[0, nb, r], pre, slope, row, col, offset,
                                                seqlen_k, mask_at)
                 p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                if mask and not visible(row, col, seqlen_k, offset, mask_at, with_mod):
+                if with_mod:
+                    if not (seen >> uint64(4 * nb + r)) & uint64(1):
+                        p = ZERO
+                elif mask and not visible(row, col, seqlen_k, offset, mask_at, with_mod):
                     p = ZERO
                 s[0, nb, r] = p
                 dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo) * dscore
