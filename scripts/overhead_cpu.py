@@ -15,7 +15,7 @@ transformers' attention function with our forward. Times in microseconds, median
 the C work of a real call (cuLaunchKernel, the CUDA caching allocator) is not in them, so
 compare trees with it, not with a GPU's numbers.
 
-    python scripts/overhead_cpu.py [--calls 3000] [--rounds 5] [--profile]
+    python scripts/overhead_cpu.py [--calls 3000] [--rounds 5] [--profile [ROW]]
 """
 import argparse
 import cProfile
@@ -95,7 +95,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--profile", action="store_true", help="cProfile of api.forward")
+    parser.add_argument("--profile", nargs="?", const="api.forward", metavar="ROW",
+                        help="cProfile of a row (default api.forward)")
     args = parser.parse_args(argv)
     import torch
 
@@ -150,7 +151,7 @@ def main(argv=None):
         print(f"{name:36s} {us:8.1f} us per call")
     if args.profile:
         profile = cProfile.Profile()
-        profile.runcall(lambda: [rows["api.forward"]() for _ in range(args.calls)])
+        profile.runcall(lambda: [rows[args.profile]() for _ in range(args.calls)])
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     return 0
 

@@ -1,5 +1,5 @@
 """Time candidate tile configs of the tensor-core kernels side by side on one GPU: the mma.sync
-family's, or with --family hopper the Hopper (wgmma) forward's.
+family's, or with --family hopper the Hopper (wgmma) family's.
 
 Each candidate is checked against float64 standard attention (first batch entry) and timed
 with CUDA events (median of 7). Candidates that cannot run (e.g. more shared memory than
@@ -12,6 +12,8 @@ backends/numba/mma/config.py.
     python scripts/tune_mma.py --head-dims 64 --passes fwd --configs 32,4,2 32,6,2
     python scripts/tune_mma.py --head-dims 128 --seqlen 16384 --causal --window 512
     python scripts/tune_mma.py --family hopper --head-dims 64 128 256 --passes fwd
+    python scripts/tune_mma.py --family hopper --head-dims 64 --causal --passes bwd \
+        --configs 64,64,3 64,128,3
 
 TFLOP/s count the visible pairs only (a causal or windowed call's masked tiles are skipped).
 """
@@ -28,9 +30,16 @@ FORWARD = {  # head_dim -> [(block_n, warps, slices)]; slices 2: see MmaConfig
     128: [(32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2), (64, 6, 1), (32, 4, 2)],
 }
 HOPPER_FORWARD = {  # head_dim -> [(block_n, consumers, stages)]: see HopperConfig
-    64: [(128, 2, 2), (128, 2, 3), (176, 2, 2), (192, 2, 2)],
+    64: [(128, 3, 2), (128, 3, 3), (128, 2, 2), (128, 2, 3), (176, 2, 2), (192, 2, 2)],
     128: [(128, 2, 2), (128, 2, 3), (160, 2, 2), (176, 2, 2)],
     256: [(64, 2, 2), (80, 2, 2)],
+}
+#: head_dim -> [(block_m, block_n, stages)]: see HopperBackwardConfig (dK/dV streams query
+#: tiles of block_m, dQ key tiles of block_n; each candidate compiled without spills for sm_90a
+#: with causal and without when it was added: ptxas, scripts/ptx_check.py's cases)
+HOPPER_BACKWARD = {
+    64: [(64, 64, 3), (64, 128, 3), (64, 64, 4), (64, 128, 4)],
+    128: [(64, 64, 3), (64, 64, 4), (64, 32, 4)],
 }
 BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see MmaBackwardConfig
     64: [(16, 64, 4, 2), (32, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2),
@@ -47,7 +56,8 @@ def config_tuple(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="mma", choices=["mma", "hopper"],
-                        help="hopper: the wgmma forward (fwd only)")
+                        help="hopper: the wgmma kernels (float16; the backward on the copy "
+                        "engine, grids as the engine lays them)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--causal", action="store_true")
@@ -58,12 +68,10 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="+", type=config_tuple, metavar="A,B,C[,D]",
                         help="time these configs instead of the tables' (one pass at a time)")
     args = parser.parse_args(argv)
-    if args.family == "hopper" and args.passes != ["fwd"]:
-        parser.error("--family hopper tunes the forward only: --passes fwd")
     if args.configs:
         if len(args.passes) > 1:
             parser.error("--configs needs exactly one of --passes fwd / bwd")
-        fields = 3 if args.passes == ["fwd"] else 4
+        fields = 3 if args.passes == ["fwd"] or args.family == "hopper" else 4
         if any(len(config) != fields for config in args.configs):
             parser.error(f"--configs for {args.passes[0]} takes {fields} numbers each")
     reason = harness.gpu_ready()
@@ -73,7 +81,9 @@ def main(argv=None):
     import cupy as cp
     from numba import cuda
 
-    from numba_flash.backends.numba.hopper.config import HopperConfig
+    from numba_flash.backends.numba.gpu import multiprocessors
+    from numba_flash.backends.numba.hopper.bwd import launch_hopper_backward
+    from numba_flash.backends.numba.hopper.config import HopperBackwardConfig, HopperConfig
     from numba_flash.backends.numba.hopper.fwd import launch_hopper_forward
     from numba_flash.backends.numba.hopper.tensor_maps import map_slots
     from numba_flash.backends.numba.mma.bwd import launch_mma_backward
@@ -120,23 +130,37 @@ def main(argv=None):
                 print(f"fwd {tag} {args.family} {fields}={shape}: "
                       f"{work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
         if "bwd" in args.passes:
+            hopper = args.family == "hopper"
             out = cp.empty(q.shape, q.dtype)
             lse = cp.empty((batch, nheads, n), cp.float32)
             views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
                                 for x in (out.view(cp.uint16), lse)]
-            launch_mma_forward(spec, *views, 0)
+            if hopper:
+                launch_hopper_forward(spec, *views, 0, maps=map_slots(views[-1]))
+            else:
+                launch_mma_forward(spec, *views, 0)
             ref = attention_backward(cp, dout[first], q[first], k[first], v[first], out[first],
                                      lse[first], spec, "float64")
-            for shape in args.configs or BACKWARD[head_dim]:
+            launch_backward, config_type, fields = (
+                (launch_hopper_backward,
+                 lambda block_m, block_n, stages: HopperBackwardConfig(block_m, block_n,
+                                                                       stages=stages),
+                 "(block_m, block_n, stages)")
+                if hopper else
+                (launch_mma_backward, MmaBackwardConfig, "(block_m, block_n, warps, stages)"))
+            for shape in args.configs or (HOPPER_BACKWARD if hopper else BACKWARD)[head_dim]:
                 grads = [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)]
                 delta = cp.empty_like(lse)
                 gviews = [cuda.as_cuda_array(x, sync=False)
                           for x in [dout.view(cp.uint16), q.view(cp.uint16), k.view(cp.uint16),
                                     v.view(cp.uint16), out.view(cp.uint16), lse, delta]
                           + [g.view(cp.uint16) for g in grads]]
+                # (the Hopper kernels' maps made once, the grids laid for this GPU)
+                extra = {"maps": [map_slots(gviews[5]) for _ in range(2)],
+                         "multiprocessors": multiprocessors(0)} if hopper else {}
 
                 def run():
-                    launch_mma_backward(spec, *gviews, 0, MmaBackwardConfig(*shape))
+                    launch_backward(spec, *gviews, 0, config=config_type(*shape), **extra)
                 try:
                     run()
                 except Exception as exc:
@@ -146,7 +170,7 @@ def main(argv=None):
                 error = max(float(cp.abs(g[first].astype(cp.float64) - r).max())
                             for g, r in zip(grads, ref))
                 ms = harness.median_ms(run)
-                print(f"bwd {tag} (block_m, block_n, warps, stages)={shape}: "
+                print(f"bwd {tag} {args.family} {fields}={shape}: "
                       f"{2.5 * work / ms / 1e9:6.1f} TFLOP/s  max error {error:.2e}", flush=True)
     return 0
 
