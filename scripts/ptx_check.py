@@ -11,6 +11,7 @@ may have on the target, OPT_IN_SHARED_BYTES).
 
     python scripts/ptx_check.py --cc 80 90 [--variants]
     python scripts/ptx_check.py --hopper [--variants]
+    python scripts/ptx_check.py --cc 80 --head-dims 64 --variants --only mma_bwd_dq
 
 --hopper builds, instead, the Hopper (wgmma) family's kernels for sm_90a, with the launch
 bounds the family compiles with (setmaxnreg needs them); any ptxas warning counts as a
@@ -227,10 +228,10 @@ def mma_kernel_cases(head_dims, dtypes=MMA_DTYPES, variants=False):
     for head_dim in head_dims:
         if mma_forward_config(head_dim) is None:
             continue
-        bwd = mma_backward_config(head_dim)
-        dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
         for dtype in dtypes:
             for kind, spec, extras in _specs(head_dim, dtype, variants):
+                bwd = mma_backward_config(head_dim, spec)
+                dk_dv_bytes, dq_bytes = mma_backward_shared_bytes(bwd, head_dim)
                 tag = f"d{head_dim}_{kind}_{'bf16' if spec.bf16 else 'f16'}"
                 config = mma_forward_config(head_dim, spec)
                 fn = mma_forward_kernel_function(config, spec)
@@ -408,6 +409,8 @@ def main(argv=None):
                         help="instead, the Hopper family's kernels, for sm_90a (ignores --cc)")
     parser.add_argument("--causal-only", action="store_true",
                         help="leave out the kernels of the full (not causal) spec")
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="build only the kernels whose names contain one of these")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
@@ -423,6 +426,8 @@ def main(argv=None):
                 mma_kernel_cases(args.head_dims, args.mma_dtypes, args.variants))
         if args.causal_only:
             cases = [case for case in cases if "_full_" not in case[0]]
+        if args.only:
+            cases = [case for case in cases if any(text in case[0] for text in args.only)]
         for name, function, signature, dynamic_bytes, *launch_bounds in cases:
             target = (9, 0, "a") if cc == "90a" else divmod(cc, 10)
             ptx, _ = cuda.compile_ptx(function, signature, cc=target,

@@ -29,6 +29,10 @@ RUNS = [["--cc", "80", "--head-dims", "128", "--dtypes", "float16", "float32",
         # every variant at once, at the head dim and dtypes nearest the register limit
         ["--cc", "90", "--head-dims", "128", "--dtypes", "float32", "--mma-dtypes",
          MMA_DTYPE[90], "--variants"],
+        # and the tensor-core backward's at d64 on sm_80, where the dQ kernel's loop over its
+        # wider key tiles must still unroll
+        ["--cc", "80", "--head-dims", "64", "--dtypes", "float16", "--mma-dtypes",
+         MMA_DTYPE[80], "--variants", "--only", "mma_bwd"],
         # the split-KV decode family (KV-cache attention): every dtype at d128, the other
         # head dims' register tiles once
         ["--cc", "90", "--head-dims", "128", "--dtypes", "float16", "bfloat16", "float32",
@@ -79,12 +83,15 @@ def test_the_variant_kernels_compiled(reports):
     """GQA, a causal window, softcap, ALiBi and varlen at once (ptx_check.VARIANTS), the
     same with a floating attn_mask instead of varlen (ptx_check.MASKED), and a document
     mask_mod with causal, softcap and GQA (ptx_check.MASK_MODDED), at head dim 128, where the
-    dense kernels come nearest to 255 registers: the checks below hold for them too."""
+    dense kernels come nearest to 255 registers (the tensor-core backward's also at d64 on
+    sm_80, where its dQ tiles are wider): the checks below hold for them too."""
     seen = {(r["kernel"], r["cc"]) for r in reports}
     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
         for variants in ("variants", "masked", "mask_mod"):
             assert (f"{kind}_d128_{variants}_float32_async", 90) in seen
             assert (f"mma_{kind}_d128_{variants}_bf16", 90) in seen
+            if kind != "forward":
+                assert (f"mma_{kind}_d64_{variants}_f16", 80) in seen
 
 
 def test_the_decode_kernels_compiled(reports):

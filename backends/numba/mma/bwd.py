@@ -355,7 +355,7 @@ def launch_mma_backward(spec, dout, q, k, v, out, lse, delta, dq, dk, dv, stream
     extras = extras or kernel_extras_unused(lse)
     seqlen_q, batch = grid_extent(spec, q, extras[1], 0)
     seqlen_k, _ = grid_extent(spec, k, extras[2], 1)
-    config = config or mma_backward_config(head_dim)
+    config = config or mma_backward_config(head_dim, spec)
     if config is None:
         raise ValueError(f"no tensor-core backward config for head_dim {head_dim} (the engine "
                          f"pads it: config.mma_head_dim)")

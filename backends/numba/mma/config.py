@@ -90,10 +90,22 @@ def mma_backward_shared_bytes(config, head_dim):
     return dk_dv, dq
 
 
-def mma_backward_config(head_dim):
-    """The tensor-core backward's config for head_dim, or None if it has none (head_dim must
-    split into d_split parts of a multiple of 16 columns)."""
+#: a floating attn_mask beside softcap or ALiBi (spec given): at d64 the dQ kernel's loop over
+#: 64-key tiles, the mask's read, the tanh and the slope in its body, was not unrolled and
+#: kept S and dP in local memory (256 bytes, sm_80 and sm_90); 32-key tiles unroll
+_MMA_BACKWARD_BIASED = (
+    (64, MmaBackwardConfig(block_m=32, block_n=32, warps=4, stages=2)),
+)
+
+
+def mma_backward_config(head_dim, spec=None):
+    """The tensor-core backward's config for head_dim (and the call's spec, where it
+    changes the tiles), or None if it has none (head_dim must split into d_split parts of a
+    multiple of 16 columns)."""
     config = None if head_dim % 16 else lookup(_MMA_BACKWARD, head_dim)
+    biased = spec is not None and spec.float_mask and (spec.softcap or spec.alibi)
+    if config is not None and biased:
+        config = lookup(_MMA_BACKWARD_BIASED, head_dim) or config
     return None if config is None or head_dim % (16 * config.d_split) else config
 
 
