@@ -3,6 +3,7 @@
 # one after the other on the same machine, after both trees' kernels are compiled.
 #
 #   bash scripts/bench_compare.sh OLD_TREE NEW_TREE [bench.py arguments]
+#   BENCH=bench_variants.py bash scripts/bench_compare.sh OLD_TREE NEW_TREE [its arguments]
 #
 # A TREE is a folder with an importable numba_flash and its scripts/ (of a commit:
 # scripts/tree_at.sh COMMIT TREE on the CPU machine, then carry TREE). The trees'
@@ -13,11 +14,13 @@
 # beside the new tree. BACKEND (default numba) is the backend compared: both trees run it alone
 # (give the same --backends to bench.py). Logs and JSON land in $OUT as bench_old.*,
 # bench_new.*, and scripts/bench_diff.py prints the new tree's TFLOP/s against the old's, row
-# by row.
+# by row. BENCH=bench_variants.py compares the variant rows instead (warmed up by its own
+# --warm-only run of the same rows; PEERS then e.g. "--flex").
 set -uo pipefail
 old=$1 new=$2
 shift 2
 backend=${BACKEND:-numba}
+bench=${BENCH:-bench.py}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # the dtypes and head dims of the cases, for the warm-up runs
@@ -41,14 +44,19 @@ warm() {  # tree, dtype:head_dim -- the same cases at a tiny size, nothing timed
 }
 start=$(date +%s)
 for tree in "$old" "$new"; do
-    for case in $dtypes; do warm "$tree" "$case" & done
+    if [ "$bench" = bench.py ]; then
+        for case in $dtypes; do warm "$tree" "$case" & done
+    else
+        PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout 600 python3 "$tree/scripts/$bench" \
+            "$@" --warm-only --no-torch > /dev/null 2>&1 || echo "warm-up $tree: exit $?" &
+    fi
 done
 wait
 echo "warm-up (compilation) of both trees: $(( $(date +%s) - start )) s"
 for side in old new; do
     tree=$old extra=(--no-torch)
     if [ "$side" = new ]; then tree=$new; read -ra extra <<< "${PEERS:---no-torch}"; fi
-    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} python3 "$tree/scripts/bench.py" "$@" \
+    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} python3 "$tree/scripts/$bench" "$@" \
         "${extra[@]}" --json "$OUT/bench_$side.json" 2>&1 | grep -v '^\[' \
         | tee "$OUT/bench_$side.log" | tail -3
 done

@@ -3,6 +3,9 @@
 # (bench_compare.sh OLD_TREE NEW_TREE, or any script run with the tree first on PYTHONPATH).
 #
 #   bash scripts/tree_at.sh COMMIT DIR     # on the CPU machine, in the checkout
+#   bash scripts/tree_at.sh 070d871 .trees/old && bash scripts/tree_at.sh HEAD .trees/new
+#   # then on the GPU machine (carry [".whl", ".trees"]), after its setup (gpu_check.sh's):
+#   BENCH=bench_variants.py bash scripts/bench_compare.sh .trees/old .trees/new --rows mask_mod
 #
 # DIR gets numba_flash/ as the installed package lays it out (backends/ inside it, as
 # setup.cfg's package_dir maps it) and the commit's scripts/, from `git archive`: no build, no
