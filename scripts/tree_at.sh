@@ -12,15 +12,20 @@
 # pip, so DIR can be carried to the GPU machine (run's carry, e.g. ".trees") beside the working
 # tree. There, from the working tree's root:
 #
-#   (cd scripts && PYTHONPATH=$PWD/../DIR:/tmp/site python3 ../DIR/scripts/bench.py ...)
+#   PYTHONPATH=$PWD/DIR:/tmp/site python3 DIR/scripts/bench.py ...
 #
-# (run from scripts/ or anywhere but the root: there the working tree's numba_flash would be
-# the one imported.)
+# (a script's own folder comes first on sys.path, then PYTHONPATH: `python3 -c` or `-m` from
+# the repository root would import the working tree's numba_flash instead.)
 set -euo pipefail
 commit=$1 dir=$2
+if ! git rev-parse --verify --quiet "$commit^{commit}" > /dev/null; then
+    echo "no commit $commit" >&2
+    exit 2
+fi
+top=$(git rev-parse --show-toplevel)
 rm -rf "$dir"
 mkdir -p "$dir"
-git archive --format=tar "$commit" numba_flash backends scripts | tar -x -C "$dir"
+git -C "$top" archive --format=tar "$commit" numba_flash backends scripts | tar -x -C "$dir"
 mv "$dir/backends" "$dir/numba_flash/backends"
 git rev-parse --short "$commit" > "$dir/COMMIT"
 echo "$dir: numba_flash of $(cat "$dir/COMMIT")"

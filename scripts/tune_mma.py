@@ -48,6 +48,13 @@ BACKWARD = {  # head_dim -> [(block_m, block_n, warps, stages)]; stages 2: see M
 }
 
 
+def candidates(table, head_dim, passes):
+    """A table's candidates for head_dim, or none (said) where it has none."""
+    if head_dim not in table:
+        print(f"{passes} d{head_dim}: no candidate configs (give --configs)", flush=True)
+    return table.get(head_dim, [])
+
+
 def config_tuple(text):
     """'32,4,2' -> (32, 4, 2)"""
     return tuple(int(x) for x in text.split(","))
@@ -109,7 +116,8 @@ def main(argv=None):
             launch_forward, config_type, fields = (
                 (launch_hopper_forward, HopperConfig, "(block_n, consumers, stages)") if hopper
                 else (launch_mma_forward, MmaConfig, "(block_n, warps, slices)"))
-            for shape in args.configs or (HOPPER_FORWARD if hopper else FORWARD)[head_dim]:
+            for shape in args.configs or candidates(HOPPER_FORWARD if hopper else FORWARD,
+                                                    head_dim, "fwd"):
                 out = cp.full(q.shape, cp.nan, q.dtype)
                 lse = cp.empty((batch, nheads, n), cp.float32)
                 views = bits[:3] + [cuda.as_cuda_array(x, sync=False)
@@ -148,7 +156,8 @@ def main(argv=None):
                  "(block_m, block_n, stages)")
                 if hopper else
                 (launch_mma_backward, MmaBackwardConfig, "(block_m, block_n, warps, stages)"))
-            for shape in args.configs or (HOPPER_BACKWARD if hopper else BACKWARD)[head_dim]:
+            for shape in args.configs or candidates(HOPPER_BACKWARD if hopper else BACKWARD,
+                                                    head_dim, "bwd"):
                 grads = [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)]
                 delta = cp.empty_like(lse)
                 gviews = [cuda.as_cuda_array(x, sync=False)

@@ -84,7 +84,8 @@ def test_the_variant_kernels_compiled(reports):
     same with a floating attn_mask instead of varlen (ptx_check.MASKED), and a document
     mask_mod with causal, softcap and GQA (ptx_check.MASK_MODDED), at head dim 128, where the
     dense kernels come nearest to 255 registers (the tensor-core backward's also at d64 on
-    sm_80, where its dQ tiles are wider): the checks below hold for them too."""
+    sm_80, where its dQ kernel's loop over 64-key tiles must unroll): the checks below hold
+    for them too."""
     seen = {(r["kernel"], r["cc"]) for r in reports}
     for kind in ("forward", "bwd_dk_dv", "bwd_dq"):
         for variants in ("variants", "masked", "mask_mod"):

@@ -107,9 +107,9 @@ def make_tile_gradients(spec, block_count, key_bound=True):
         stats[delta_row, c] for the tile's query c (Sᵀ, for dK and dV).
     mask: the tile's (device/mask.py tile_mask). Query rows past seqlen_q or that see no key
     come with lse = +inf: their P is 0."""
-    if spec.mask_mod is not None and block_count > 16:  # (row_seen_bits' 64 bits)
-        raise ValueError(f"a mask_mod's tile gradients take up to 16 column blocks (128 "
-                         f"keys); got {block_count}")
+    if spec.mask_mod is not None and block_count > 16:  # (row_seen_bits' 64 bits a lane)
+        raise ValueError(f"a mask_mod's tile gradients take up to 16 column blocks of 8 (a dQ "
+                         f"tile of 128 keys); got {block_count}")
     visible = make_mask(spec, key_bound)
     score_and_grad = make_score_mod(spec).score_and_grad
 

@@ -90,9 +90,10 @@ def mma_backward_shared_bytes(config, head_dim):
     return dk_dv, dq
 
 
-#: a floating attn_mask beside softcap or ALiBi (spec given): at d64 the dQ kernel's loop over
-#: 64-key tiles, the mask's read, the tanh and the slope in its body, was not unrolled and
-#: kept S and dP in local memory (256 bytes, sm_80 and sm_90); 32-key tiles unroll
+#: a floating attn_mask beside softcap or ALiBi (spec given), head dims up to 64: at d64 the
+#: dQ kernel's loop over 64-key tiles, the mask's read, the tanh and the slope in its body,
+#: was not unrolled and kept S and dP in local memory (256 bytes, sm_80 and sm_90); 32-key
+#: tiles unroll
 _MMA_BACKWARD_BIASED = (
     (64, MmaBackwardConfig(block_m=32, block_n=32, warps=4, stages=2)),
 )
