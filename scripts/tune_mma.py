@@ -125,9 +125,10 @@ def main(argv=None):
 
                 maps = {"maps": map_slots(views[-1])} if hopper else {}  # (made once)
 
-                def run():
-                    launch_forward(spec, *views, 0, config_type(*shape), **maps)
+                def run():  # (what is timed: the config and maps are made before)
+                    launch_forward(spec, *views, 0, config, **maps)
                 try:
+                    config = config_type(*shape)
                     run()
                 except Exception as exc:
                     print(f"fwd {tag} {shape}: does not build ({type(exc).__name__}: "
@@ -169,8 +170,9 @@ def main(argv=None):
                          "multiprocessors": multiprocessors(0)} if hopper else {}
 
                 def run():
-                    launch_backward(spec, *gviews, 0, config=config_type(*shape), **extra)
+                    launch_backward(spec, *gviews, 0, config=config, **extra)
                 try:
+                    config = config_type(*shape)
                     run()
                 except Exception as exc:
                     print(f"bwd {tag} {shape}: does not build ({type(exc).__name__}: "
