@@ -14,8 +14,12 @@
 # beside the new tree. BACKEND (default numba) is the backend compared: both trees run it alone
 # (give the same --backends to bench.py). Logs and JSON land in $OUT as bench_old.*,
 # bench_new.*, and scripts/bench_diff.py prints the new tree's TFLOP/s against the old's, row
-# by row. BENCH=bench_variants.py compares the variant rows instead (warmed up by its own
-# --warm-only run of the same rows; PEERS then e.g. "--flex").
+# by row. BENCH=bench_variants.py compares the variant rows instead (PEERS then e.g.
+# "--flex"): this checkout's bench_variants.py runs for both trees (the same rows, timed
+# alike), the two processes side by side, each row compiled by its first call and then timed
+# holding a lock file ($OUT/gpu.lock; harness.gpu_turn), so that the trees time in turns. A
+# row's first call in one process may land among the other's timed calls (medians of up to
+# 60 rounds).
 set -uo pipefail
 old=$1 new=$2
 shift 2
@@ -42,24 +46,36 @@ warm() {  # tree, dtype:head_dim -- the same cases at a tiny size, nothing timed
         --causal false true --passes fwd fwdbwd --backends "$backend" --no-torch > /dev/null 2>&1 \
         || echo "warm-up $tree $dtype d$head_dim: exit $?"
 }
-start=$(date +%s)
-for tree in "$old" "$new"; do
-    if [ "$bench" = bench.py ]; then
-        for case in $dtypes; do warm "$tree" "$case" & done
-    else
-        PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout 600 python3 "$tree/scripts/$bench" \
-            "$@" --warm-only --no-torch > /dev/null 2>&1 || echo "warm-up $tree: exit $?" &
-    fi
-done
-wait
-echo "warm-up (compilation) of both trees: $(( $(date +%s) - start )) s"
-for side in old new; do
-    tree=$old extra=(--no-torch)
+timed() {  # side (old/new), then the bench's extra arguments: its run, log and JSON in $OUT
+    local side=$1 tree=$old script extra=(--no-torch)
+    shift
     if [ "$side" = new ]; then tree=$new; read -ra extra <<< "${PEERS:---no-torch}"; fi
-    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} python3 "$tree/scripts/$bench" "$@" \
-        "${extra[@]}" --json "$OUT/bench_$side.json" 2>&1 | grep -v '^\[' \
-        | tee "$OUT/bench_$side.log" | tail -3
-done
+    script="$tree/scripts/$bench"
+    [ "$bench" = bench.py ] || script="$(dirname "$0")/$bench"
+    PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} python3 "$script" "${args[@]}" "${extra[@]}" \
+        "$@" --json "$OUT/bench_$side.json" 2>&1 | grep -v '^\[' > "$OUT/bench_$side.log"
+    tail -3 "$OUT/bench_$side.log"
+}
+args=("$@")
+start=$(date +%s)
+if [ "$bench" = bench.py ]; then
+    for tree in "$old" "$new"; do
+        for case in $dtypes; do warm "$tree" "$case" & done
+    done
+    wait
+    echo "warm-up (compilation) of both trees: $(( $(date +%s) - start )) s"
+    timed old
+    timed new
+else
+    # A mask_mod's kernels have no disk cache, so a warm-up in another process would not
+    # spare the timed one its compilation: the two trees' runs go side by side, each row
+    # compiled (its first call) alone and timed holding the lock.
+    rm -f "$OUT/gpu.lock"
+    timed old --lock "$OUT/gpu.lock" &
+    timed new --lock "$OUT/gpu.lock" &
+    wait
+    echo "both trees, side by side: $(( $(date +%s) - start )) s"
+fi
 python3 "$(dirname "$0")/bench_diff.py" "$OUT/bench_old.json" "$OUT/bench_new.json" \
     --backend "$backend" \
     | tee "$OUT/bench_diff.log"

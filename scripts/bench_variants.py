@@ -233,6 +233,9 @@ def main(argv=None):
     parser.add_argument("--rows", nargs="+", metavar="WORD",
                         help="only the rows whose name holds one of these (and the reference row)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--lock", metavar="PATH",
+                        help="time each row holding this lock file (harness.gpu_turn), so that "
+                             "benches of two trees compile side by side and time in turns")
     args = parser.parse_args(argv)
     reason = harness.gpu_ready()
     if reason:
@@ -271,7 +274,8 @@ def main(argv=None):
                     print(f"  {label}: skipped ({type(exc).__name__}: {str(exc)[:100]})")
             if args.warm_only:
                 continue
-            times = timer(ready)
+            with harness.gpu_turn(args.lock):
+                times = timer(ready)
             pairs = row_batch * args.heads * row_pairs(row_seqlen, options)
             work = 4.0 * args.head_dim * pairs * (3.5 if passes == "fwdbwd" else 1.0)
             if reference_ms is None:

@@ -1,5 +1,7 @@
 """Helpers shared by the scripts (verify.py, bench.py, bench_variants.py, ...; not part of the
 package)."""
+import contextlib
+import fcntl
 import json
 import os
 
@@ -28,6 +30,22 @@ def optional_torch(leave_out=False):
         print("torch not installed: SDPA peers left out")
         return None
     return torch
+
+
+@contextlib.contextmanager
+def gpu_turn(lock_path):
+    """The GPU to this process alone while the block runs, among the processes given the same
+    lock file (an exclusive flock, waited for); None: no lock. Two trees' benches then
+    compile side by side and time in turns (scripts/bench_compare.sh)."""
+    if not lock_path:
+        yield
+        return
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_json(path, results):
