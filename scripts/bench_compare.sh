@@ -69,7 +69,7 @@ if [ "$bench" = bench.py ]; then
 else
     # A mask_mod's kernels have no disk cache, so a warm-up in another process would not
     # spare the timed one its compilation: the two trees' runs go side by side, each row
-    # compiled (its first call) alone and timed holding the lock.
+    # compiled by its first call without the lock, then timed holding it.
     rm -f "$OUT/gpu.lock"
     timed old --lock "$OUT/gpu.lock" &
     timed new --lock "$OUT/gpu.lock" &

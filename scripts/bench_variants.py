@@ -5,8 +5,9 @@ attention with --heads heads (the reference row); GQA with --kv-heads key/value 
 torch SDPA with enable_gqa=True (flash, cudnn, efficient: those that take it); a sliding
 window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); varlen,
 --documents packed causal sequences of random lengths (seeded) making up one sequence of
---seqlen tokens, beside dense causal attention on a batch of --documents sequences of the
-documents' mean length (the same tokens, no packing); attention masks without causal (a
+--seqlen tokens, the same packed as equal documents of the mean length, beside dense causal
+attention on a batch of --documents sequences of that length (the same tokens, no packing:
+what varlen's own cost is, apart from its lengths); attention masks without causal (a
 boolean (B, 1, 1, N) key padding mask keeping every key, a float (N, N) bias in the dtype),
 beside torch SDPA with the same attn_mask (efficient, cudnn); mask_mods through a block mask:
 the documents of the varlen row as a causal document mask over one sequence, the window as
@@ -70,6 +71,8 @@ def rows(args):
             ("alibi causal", args.heads, dict(causal=True, alibi=True), ()),
             (f"varlen {args.documents} docs causal", args.heads,
              dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ()),
+            (f"varlen {args.documents} equal docs causal", args.heads,
+             dict(causal=True, lengths=[mean_length] * args.documents), ()),
             (f"B{args.documents} N{mean_length} causal", args.heads,
              dict(causal=True, shape=(args.documents, mean_length)), sdpa),
             ("padding mask, full", args.heads, dict(mask="padding"), sdpa[1:]),
