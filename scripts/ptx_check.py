@@ -12,6 +12,7 @@ may have on the target, OPT_IN_SHARED_BYTES).
     python scripts/ptx_check.py --cc 80 90 [--variants]
     python scripts/ptx_check.py --hopper [--variants]
     python scripts/ptx_check.py --cc 80 --head-dims 64 --variants --only mma_bwd_dq
+    python scripts/ptx_check.py --hopper --list  (the names only; --names NAME... builds those)
 
 --hopper builds, instead, the Hopper (wgmma) family's kernels for sm_90a, with the launch
 bounds the family compiles with (setmaxnreg needs them); any ptxas warning counts as a
@@ -411,6 +412,10 @@ def main(argv=None):
                         help="leave out the kernels of the full (not causal) spec")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="build only the kernels whose names contain one of these")
+    parser.add_argument("--names", nargs="+", metavar="NAME",
+                        help="build only the kernels of these exact names")
+    parser.add_argument("--list", action="store_true",
+                        help="print the kernels' names and targets, building none")
     parser.add_argument("--save", metavar="DIR", help="also write each kernel's PTX here")
     args = parser.parse_args(argv)
     ptxas = find_ptxas()
@@ -428,6 +433,12 @@ def main(argv=None):
             cases = [case for case in cases if "_full_" not in case[0]]
         if args.only:
             cases = [case for case in cases if any(text in case[0] for text in args.only)]
+        if args.names:
+            cases = [case for case in cases if case[0] in args.names]
+        if args.list:
+            for case in cases:
+                print(json.dumps({"kernel": case[0], "cc": cc}))
+            continue
         for name, function, signature, dynamic_bytes, *launch_bounds in cases:
             target = (9, 0, "a") if cc == "90a" else divmod(cc, 10)
             ptx, _ = cuda.compile_ptx(function, signature, cc=target,
@@ -450,7 +461,7 @@ def main(argv=None):
                 os.makedirs(args.save, exist_ok=True)
                 with open(os.path.join(args.save, f"{name}_sm{cc}.ptx"), "w") as f:
                     f.write(ptx)
-    if not ptxas:
+    if not ptxas and not args.list:
         print("no ptxas found: registers and spills not checked", file=sys.stderr)
     return 1 if failed else 0
 
