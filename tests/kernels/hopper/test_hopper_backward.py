@@ -68,12 +68,13 @@ def test_hopper_backward_with_masks_in_the_simulator(rng, shape, kv_heads, causa
 # the grids' layouts where blocks are few (hopper/grids.py): a GQA group split over blocks
 # (float32 parts, then their sums), tiles along grid.y or x: (batch, seqlen_q, seqlen_k,
 # nheads, head_dim), kv_heads, causal, dtype, grid, options. Two key heads where the split
-# is (their slots apart), grids not square (x and y apart).
+# is (their slots apart), grids not square (x and y apart); the split of a group of four is
+# test_the_engine_splits_a_short_gqa_grid's.
 SPLIT_CASES = [
-    ((1, 140, 150, 4, 64), 2, True, "bfloat16", BackwardGrid(2, True, True), {}),
-    ((4, 40, 50, 4, 64), 2, True, "float16", BackwardGrid(2, True, True),
+    ((1, 40, 100, 4, 64), 2, True, "bfloat16", BackwardGrid(2, True, True), {}),
+    ((4, 40, 50, 2, 64), 1, True, "float16", BackwardGrid(2, True, True),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),  # varlen, empty sequences
-    ((4, 40, 50, 4, 64), 1, True, "float16", BackwardGrid(4, False, True),
+    ((4, 40, 50, 2, 64), 1, True, "float16", BackwardGrid(2, False, True),
      dict(lengths=[(33, 40), (0, 7), (40, 50), (9, 0)])),
     ((1, 70, 100, 2, 64), 1, False, "float16", BackwardGrid(2, True),
      dict(mask_mod=gapped_mask)),  # (its query heads' tables differ)
