@@ -104,9 +104,7 @@ def seed():
 
 def chosen(kernels, rng):
     """The names of one run's kernels to build: ALWAYS's, and a share of the others (at least
-    one), or all with NUMBA_FLASH_PTX_ALL=1."""
-    if os.environ.get("NUMBA_FLASH_PTX_ALL") == "1":
-        return [name for name, _ in kernels]
+    one)."""
     others = [kernel for kernel in kernels if kernel not in ALWAYS]
     picked = rng.sample(others, min(len(others), max(1, round(SAMPLED_SHARE * len(others)))))
     return [kernel[0] for kernel in kernels if kernel in ALWAYS or kernel in picked]
@@ -124,9 +122,13 @@ def _build(args, names):
 def reports(matrix):
     """ptx_check's reports of the kernels chosen from each run, built a few runs at a time
     (each is a single-threaded compilation)."""
-    rng = random.Random(seed())
-    print(f"ptx_check sample: NUMBA_FLASH_PTX_SEED={seed()}")
-    names = [chosen(kernels, rng) for kernels in matrix]
+    if os.environ.get("NUMBA_FLASH_PTX_ALL") == "1":
+        names = [[name for name, _ in kernels] for kernels in matrix]
+    else:
+        drawn = seed()
+        print(f"ptx_check sample: NUMBA_FLASH_PTX_SEED={drawn}")  # (shown if a test fails)
+        rng = random.Random(drawn)
+        names = [chosen(kernels, rng) for kernels in matrix]
     with ThreadPoolExecutor(_workers()) as pool:
         found = [r for run in pool.map(_build, RUNS, names) for r in run]
     assert len(found) == sum(map(len, names)), "a chosen kernel was not built"
@@ -134,17 +136,15 @@ def reports(matrix):
 
 
 def test_the_always_built_kernels_are_in_the_matrix(matrix):
-    listed = {kernel for kernels in matrix for kernel in kernels}
-    assert ALWAYS <= listed, ALWAYS - listed
+    assert ALWAYS <= listed(matrix), ALWAYS - listed(matrix)
 
 
 def test_the_sample_changes_with_the_seed(matrix):
     """Different commits check different kernels; the same commit the same ones."""
     draws = [[chosen(kernels, random.Random(s)) for kernels in matrix] for s in (1, 2, 1)]
     assert draws[0] == draws[2] and draws[0] != draws[1]
-    if os.environ.get("NUMBA_FLASH_PTX_ALL") != "1":
-        assert all(len(kernels) > len(names) for kernels, names in zip(matrix, draws[0])
-                   if len(kernels) > 2)
+    assert all(len(kernels) > len(names) for kernels, names in zip(matrix, draws[0])
+               if len(kernels) > 2)
 
 
 def listed(matrix):
