@@ -93,6 +93,11 @@ def matrix():
         return list(pool.map(_list, RUNS))
 
 
+def listed(matrix):
+    """Every (name, cc) of the matrix, as one set."""
+    return {kernel for kernels in matrix for kernel in kernels}
+
+
 def seed():
     """NUMBA_FLASH_PTX_SEED, else the checked-out commit's hash (0 outside a git checkout)."""
     if os.environ.get("NUMBA_FLASH_PTX_SEED"):
@@ -106,7 +111,8 @@ def chosen(kernels, rng):
     """The names of one run's kernels to build: ALWAYS's, and a share of the others (at least
     one)."""
     others = [kernel for kernel in kernels if kernel not in ALWAYS]
-    picked = rng.sample(others, min(len(others), max(1, round(SAMPLED_SHARE * len(others)))))
+    picked = set(rng.sample(others, min(len(others),
+                                        max(1, round(SAMPLED_SHARE * len(others))))))
     return [kernel[0] for kernel in kernels if kernel in ALWAYS or kernel in picked]
 
 
@@ -145,10 +151,6 @@ def test_the_sample_changes_with_the_seed(matrix):
     assert draws[0] == draws[2] and draws[0] != draws[1]
     assert all(len(kernels) > len(names) for kernels, names in zip(matrix, draws[0])
                if len(kernels) > 2)
-
-
-def listed(matrix):
-    return {kernel for kernels in matrix for kernel in kernels}
 
 
 def test_every_kernel_is_in_the_matrix(matrix):
