@@ -16,7 +16,6 @@ from numba_flash.backends.numba.device.block_range import (EMPTY, FULL, PARTIAL,
                                                            longest_last, make_block_range,
                                                            make_query_tile_start)
 from numba_flash.backends.numba.device.constants import LOG2E
-from numba_flash.backends.numba.device.fragments import make_tile_gradients
 from numba_flash.backends.numba.device.mask import (MASK_ALL, MASK_BOUNDS, MASK_NONE,
                                                     make_mask, tile_mask)
 from numba_flash.backends.numba.device.score_mod import make_score_mod
@@ -286,12 +285,3 @@ def test_a_tile_mask_mod_sees_whole_skips_its_predicate():
                         for i in range(40)])
         assert np.array_equal(got, want), with_mod
 
-
-def test_a_mask_mods_tile_gradients_take_at_most_16_column_blocks():
-    """The dQ tile's seen bits of a mask_mod (fragments.row_seen_bits) fit 16 column blocks
-    of a lane in 64 bits: a wider tile is refused when its kernel is built, not miscomputed."""
-    spec = AttentionSpec(16, "float16", causal=True, mask_mod=striped_mask)
-    assert len(make_tile_gradients(spec, 16)) == 2
-    with pytest.raises(ValueError, match="16 column blocks"):
-        make_tile_gradients(spec, 17)
-    assert len(make_tile_gradients(AttentionSpec(16, "float16", causal=True), 17)) == 2

@@ -11,7 +11,7 @@ P goes from the scores' registers straight into the P V product.
 """
 import functools
 
-from numba import cuda, float32, uint16, uint64
+from numba import cuda, float32, uint16
 
 from .constants import NEG_INF, ZERO
 from .intrinsics import pack_bf16x2, pack_f16x2, shfl_xor
@@ -107,35 +107,13 @@ def make_tile_gradients(spec, block_count, key_bound=True):
         stats[delta_row, c] for the tile's query c (Sᵀ, for dK and dV).
     mask: the tile's (device/mask.py tile_mask). Query rows past seqlen_q or that see no key
     come with lse = +inf: their P is 0."""
-    if spec.mask_mod is not None and block_count > 16:  # (row_seen_bits' 64 bits a lane)
-        raise ValueError(f"a mask_mod's tile gradients take up to 16 column blocks of 8 (a dQ "
-                         f"tile of 128 keys); got {block_count}")
     visible = make_mask(spec, key_bound)
     score_and_grad = make_score_mod(spec).score_and_grad
-
-    @cuda.jit(device=True, inline="always")
-    def row_seen_bits(row_lo, n0, seqlen_k, offset, mask_at):
-        """Bit 4·nb + r: whether the lane's element [0, nb, r] of a row-major tile (queries
-        row_lo, row_lo + 8; keys n0..) is seen, mask_mod asked (block_count ≤ 16). The
-        whole tile is asked before its exponentials: ex2 is inline PTX, which the compiler
-        must take to touch memory, so asked between them each element would load the
-        mask_mod's values anew (a lane's elements share 2 rows and 2·block_count keys)."""
-        t = cuda.threadIdx.x % 32 % 4
-        bits = uint64(0)
-        for nb in range(block_count):
-            for r in range(4):
-                seen = visible(row_lo + 8 * (r // 2), n0 + 8 * nb + 2 * t + r % 2, seqlen_k,
-                               offset, mask_at, True)
-                bits |= uint64(seen) << uint64(4 * nb + r)
-        return bits
 
     @cuda.jit(device=True, inline="always")
     def row_gradients_with(s, dp, row_lo, n0, mask, with_mod, lse_lo, lse_hi, delta_lo,
                            delta_hi, tile_scale, pre, slope, offset, seqlen_k, mask_at):
         t = cuda.threadIdx.x % 32 % 4  # (as the kernels compute their lanes' t)
-        seen = uint64(0)
-        if with_mod:
-            seen = row_seen_bits(row_lo, n0, seqlen_k, offset, mask_at)
         for nb in range(block_count):
             for r in range(4):
                 hi = r >= 2
@@ -144,10 +122,7 @@ def make_tile_gradients(spec, block_count, key_bound=True):
                 score, dscore = score_and_grad(s[0, nb, r], pre, slope, row, col, offset,
                                                seqlen_k, mask_at)
                 p = probability(score, tile_scale, lse_hi if hi else lse_lo)
-                if with_mod:
-                    if not (seen >> uint64(4 * nb + r)) & uint64(1):
-                        p = ZERO
-                elif mask and not visible(row, col, seqlen_k, offset, mask_at, with_mod):
+                if mask and not visible(row, col, seqlen_k, offset, mask_at, with_mod):
                     p = ZERO
                 s[0, nb, r] = p
                 dp[0, nb, r] = grad_score(p, dp[0, nb, r], delta_hi if hi else delta_lo) * dscore
