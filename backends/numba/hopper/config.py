@@ -182,6 +182,12 @@ _HOPPER_BACKWARD = (
     (64, HopperBackwardConfig(block_m=64, block_n=64)),
     (128, HopperBackwardConfig(block_m=64, block_n=64)),  # (224 consumer registers)
 )
+#: with no window, ALiBi or varlen: d64's dQ on 128-key tiles and four stages, 7 % faster than
+#: 64-key tiles and three (H100, causal, N 4096: PERFORMANCE.md); ptxas spilled 616 bytes
+#: there with a window, 196 with ALiBi, 24-32 with varlen, none with softcap or GQA
+_HOPPER_BACKWARD_WIDE_KEYS = (
+    (64, HopperBackwardConfig(block_m=64, block_n=128, stages=4)),
+) + _HOPPER_BACKWARD[1:]
 #: with cp.async (maps the driver refuses): 200 consumer registers, in which the
 #: d128 dK/dV kernel's 64-query tiles spilled 704 bytes
 _HOPPER_BACKWARD_CP_ASYNC = (
@@ -258,6 +264,9 @@ def hopper_backward_config(head_dim, spec, copy_engine=True):
     mask_mod = _HOPPER_BACKWARD_MASK_MOD if spec.group == 1 else _HOPPER_BACKWARD_MASK_MOD_GQA
     table = _table(spec, copy_engine, (_HOPPER_BACKWARD, _HOPPER_BACKWARD_CP_ASYNC,
                                        _HOPPER_BACKWARD_MASKED, mask_mod))
+    if table is _HOPPER_BACKWARD and not (spec.window_left >= 0 or spec.window_right > 0
+                                          or spec.alibi or spec.varlen):
+        table = _HOPPER_BACKWARD_WIDE_KEYS
     config = None if head_dim % 16 else lookup(table, head_dim)
     if config and not copy_engine:
         config = replace(config, copy_engine=False)

@@ -11,7 +11,8 @@ from mask_mods import gapped_mask
 from numba_flash.backends.numba.device.group_sums import launch_group_sums
 from numba_flash.backends.numba.hopper.bwd import launch_hopper_backward
 from numba_flash.backends.numba.hopper.config import (BACKWARD_MASK_MOD_GQA_CP_ASYNC_REGISTERS,
-                                                      HopperBackwardConfig)
+                                                      HopperBackwardConfig,
+                                                      hopper_backward_config)
 from numba_flash.backends.numba.hopper.grids import BackwardGrid, backward_grid
 from numba_flash.spec import AttentionSpec
 
@@ -150,6 +151,21 @@ def test_head_dims_without_a_backward_config_are_refused():
 def test_the_backward_refuses_fewer_than_three_stages():
     with pytest.raises(ValueError, match="needs 3 stages or more"):
         HopperBackwardConfig(32, 64, stages=2)
+
+
+def test_d64_takes_128_key_dq_tiles_where_they_compile_clean():
+    """d64's dQ kernel takes 128-key tiles and four stages with softcap or GQA beside causal
+    and not with a window, ALiBi or varlen (where ptxas spilled: config.py); d128 keeps its
+    tiles either way."""
+    for options in ({}, dict(causal=True), dict(causal=True, softcap=30.0, group=4)):
+        config = hopper_backward_config(64, AttentionSpec(64, "float16", **options))
+        assert (config.block_m, config.block_n, config.stages) == (64, 128, 4), options
+    for options in (dict(causal=True, window_left=256), dict(alibi=True),
+                    dict(causal=True, varlen=True), dict(window_right=8)):
+        config = hopper_backward_config(64, AttentionSpec(64, "float16", **options))
+        assert (config.block_n, config.stages) == (64, 3), options
+    assert hopper_backward_config(128, AttentionSpec(128, "float16")) == \
+        hopper_backward_config(128, AttentionSpec(128, "float16", alibi=True))
 
 
 def test_the_backward_takes_the_copy_engine(rng, monkeypatch):
