@@ -80,14 +80,23 @@ def check_same_place(arrays, kinds=None):
             raise ValueError(f"all arrays must be on the same GPU; got {where}")
 
 
-def check_extras(spec, q, k, v, extras):
+def check_extras(spec, q, k, v, extras, known_offsets=(None, None)):
     """The call's arrays besides q, k, v (numba_flash.extras): ALiBi slopes of q's batch and
     heads; for varlen, cu_seqlens that agree with q, k and max_seqlen (their values are read:
-    this check runs on every varlen call). Returns the batch size."""
+    this check runs on every varlen call; known_offsets: cu_seqlens_q's and cu_seqlens_k's
+    host values where the caller has them, offsets_to_device). Returns the batch size."""
     if spec.varlen:
-        batch = check_cu_seqlens("cu_seqlens_q", extras.cu_seqlens_q, int(q.shape[0]),
+        values_q, values_k = known_offsets
+        check_offsets_array("cu_seqlens_q", extras.cu_seqlens_q)
+        check_offsets_array("cu_seqlens_k", extras.cu_seqlens_k)
+        if values_q is None:
+            values_q = host_values(extras.cu_seqlens_q)
+        if values_k is None:  # (self-attention passes one array twice: read once)
+            same = extras.cu_seqlens_k is extras.cu_seqlens_q
+            values_k = values_q if same else host_values(extras.cu_seqlens_k)
+        batch = check_cu_seqlens("cu_seqlens_q", values_q, int(q.shape[0]),
                                  spec.max_seqlen_q, "max_seqlen_q")
-        batch_k = check_cu_seqlens("cu_seqlens_k", extras.cu_seqlens_k, int(k.shape[0]),
+        batch_k = check_cu_seqlens("cu_seqlens_k", values_k, int(k.shape[0]),
                                    spec.max_seqlen_k, "max_seqlen_k")
         if batch_k != batch:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch "
@@ -206,9 +215,8 @@ def check_attn_mask(attn_mask, spec, shape):
                          f"{shape} (each dimension 1 or that size); got {mask_shape}")
 
 
-def check_cu_seqlens(name, cu_seqlens, total, max_seqlen, max_name):
-    """int32 (batch + 1,) offsets: 0 first, non-decreasing, `total` last, no sequence longer
-    than max_seqlen. Returns the batch size. Reads the values (on the host)."""
+def check_offsets_array(name, cu_seqlens):
+    """An int32 (batch + 1,) array, batch >= 1 (its values are check_cu_seqlens')."""
     if _arrays.array_kind(cu_seqlens) is None:
         raise TypeError(f"{name} must be an int32 array of shape (batch + 1,); got "
                         f"{type(cu_seqlens).__name__}")
@@ -217,7 +225,33 @@ def check_cu_seqlens(name, cu_seqlens, total, max_seqlen, max_name):
     if len(cu_seqlens.shape) != 1 or int(cu_seqlens.shape[0]) < 2:
         raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1; got "
                          f"{_shape_str(cu_seqlens)}")
-    values = host_values(cu_seqlens).astype(np.int64)
+
+
+def offsets_to_device(q, cu_seqlens_q, cu_seqlens_k):
+    """(cu_seqlens_q, cu_seqlens_k, known): with q on a GPU, those given as host arrays
+    (NumPy, a CPU torch tensor) checked as arrays and copied to q's device without waiting
+    (one copy where both are the same array), their host values in known (None where the
+    checks must read them back from the GPU)."""
+    if not _arrays.is_device_kind(_arrays.array_kind(q)):
+        return cu_seqlens_q, cu_seqlens_k, (None, None)
+    given, known = [cu_seqlens_q, cu_seqlens_k], [None, None]
+    on_host = [_arrays.array_kind(x) == _arrays.HOST for x in given]
+    for name, x, host in zip(("cu_seqlens_q", "cu_seqlens_k"), given, on_host):
+        if host:
+            check_offsets_array(name, x)
+    for i in range(2):
+        if i == 1 and cu_seqlens_k is cu_seqlens_q:
+            given[1], known[1] = given[0], known[0]
+        elif on_host[i]:
+            known[i] = np.array(_arrays.as_numpy(given[i]))  # (a copy: the caller may change it)
+            given[i] = _arrays.device_copy_like(known[i], q)
+    return given[0], given[1], tuple(known)
+
+
+def check_cu_seqlens(name, values, total, max_seqlen, max_name):
+    """The host values of int32 (batch + 1,) offsets (check_offsets_array's): 0 first,
+    non-decreasing, `total` last, no sequence longer than max_seqlen. Returns the batch size."""
+    values = np.asarray(values).astype(np.int64)
     lengths = np.diff(values)
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0; got {int(values[0])}")

@@ -120,15 +120,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     within it. No work is done for tokens of other sequences or for padding.
 
     Returns (out, lse): out like q; lse float32 (nheads, total_q). The cu_seqlens are checked
-    on every call (their values are read: one small copy from the GPU).
+    on every call: on the GPU their values are read (one small copy, for which the host waits
+    on the GPU); given as host arrays (NumPy, a CPU torch tensor) beside GPU arrays, they are
+    checked on the host and copied to the GPU without waiting.
     """
     program, captured = _checks.lowered_mask_mod(mask_mod, varlen=True)
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
                      max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=program)
+    cu_seqlens_q, cu_seqlens_k, known = _checks.offsets_to_device(q, cu_seqlens_q, cu_seqlens_k)
     extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k, mask_mod_arrays=captured)
     _checks.check_qkv(q, k, v, varlen=True)
-    _checks.check_extras(spec, q, k, v, extras)
+    _checks.check_extras(spec, q, k, v, extras, known)
     return _forward(spec, extras, backend, q, k, v)
 
 
@@ -141,9 +144,10 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     spec = make_spec(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                      softcap=softcap, alibi=alibi_slopes is not None,
                      max_seqlens=(max_seqlen_q, max_seqlen_k), mask_mod=program)
+    cu_seqlens_q, cu_seqlens_k, known = _checks.offsets_to_device(q, cu_seqlens_q, cu_seqlens_k)
     extras = Extras(alibi_slopes, cu_seqlens_q, cu_seqlens_k, mask_mod_arrays=captured)
     _checks.check_backward_args(dout, q, k, v, out, lse, varlen=True)
-    _checks.check_extras(spec, q, k, v, extras)
+    _checks.check_extras(spec, q, k, v, extras, known)
     return _backward(spec, extras, backend, dout, q, k, v, out, lse)
 
 

@@ -189,6 +189,30 @@ def test_backward_varlen_takes_the_packed_lse(rng, no_backend, lse_shape):
         numba_flash.backward_varlen(q, q, k, v, q, np.zeros((NHEADS, 16)), CU_Q, CU_K, 7, 7)
 
 
+def test_host_cu_seqlens_beside_gpu_arrays_are_checked_then_copied_once(monkeypatch):
+    """With q on a GPU (stood in for here), host cu_seqlens are checked as arrays and copied
+    there, one copy where q's and k's are one array, their values kept for the value checks
+    (a copy: the caller may change its array); a bad one is refused before anything is
+    copied. (The
+    GPU suite runs the calls: test_gpu_variants.py.)"""
+    from numba_flash import _arrays, _checks
+    copies = []
+    monkeypatch.setattr(_arrays, "is_device_kind", lambda kind: True)
+    monkeypatch.setattr(_arrays, "device_copy_like",
+                        lambda values, ref: copies.append(values.copy()) or object())
+    q = np.zeros((16, NHEADS, HEAD_DIM), np.float32)
+    cu = CU_Q.copy()
+    cu_q, cu_k, known = _checks.offsets_to_device(q, cu, cu)
+    assert len(copies) == 1 and cu_q is cu_k and not isinstance(cu_q, np.ndarray)
+    cu[1] = 3
+    assert known[0] is known[1] and np.array_equal(known[0], CU_Q)
+    _, _, known = _checks.offsets_to_device(q, CU_Q, CU_K)
+    assert len(copies) == 3 and np.array_equal(known[1], CU_K)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32; got int64"):
+        _checks.offsets_to_device(q, CU_Q, CU_K.astype(np.int64))
+    assert len(copies) == 3
+
+
 def test_good_varlen_arguments_pass_the_checks(rng):
     """The checks above are not refusing everything: numpy ints and spare max_seqlen pass."""
     q, k, v = _packed(rng)

@@ -284,3 +284,42 @@ def test_new_closures_over_new_arrays_compile_nothing(cp, rng, backend):
             lambda *a: numba_flash.backward(*a, backend=backend, **options))
         kernels = compiled.setdefault(kind, len(launch._compiled))
         assert len(launch._compiled) == kernels, f"step {step} ({kind}) compiled a kernel"
+
+
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+def test_host_cu_seqlens_are_not_read_back(cp, rng, monkeypatch, library):
+    """cu_seqlens given on the host (NumPy, a CPU tensor) beside q on the GPU: checked there
+    and copied to the GPU, nothing read back from it, in the full path and the replay; the
+    same results, bit for bit, as the call with the cu_seqlens on the GPU; bad host values
+    refused by name."""
+    from numba_flash import _checks, call_cache
+    torch = pytest.importorskip("torch") if library == "torch" else None
+    lengths = np.array([700, 1, 1500, 333], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    values = [round16(cp, cp.asarray(rng.standard_normal((int(cu[-1]), h, 64)), cp.float32),
+                      "float16") for h in (8, 2, 2, 8)]
+    arrays = _as(values, "float16")
+    if torch is not None:
+        arrays = [torch.from_dlpack(x) for x in arrays]
+    q, k, v, dout = arrays
+    host = torch.from_numpy if torch is not None else np.asarray
+
+    def call(cu_q, cu_k):
+        varlen = (cu_q, cu_k, 1500, 1500)
+        out, lse = numba_flash.forward_varlen(q, k, v, *varlen, causal=True, backend="numba")
+        grads = numba_flash.backward_varlen(dout, q, k, v, out, lse, *varlen, causal=True,
+                                            backend="numba")
+        return [cp.asarray(x) for x in (out, lse, *grads)]
+
+    on_gpu = call(cp.asarray(cu), cp.asarray(cu))
+    monkeypatch.setattr(_checks, "host_values", None)  # nothing is read back
+    call_cache.clear()
+    for cu_q, cu_k in [(host(cu), host(cu))] * 2 + [(host(cu), host(cu.copy()))]:
+        got = call(cu_q, cu_k)  # the full path, the replay, two host arrays
+        for a, b in zip(got, on_gpu):
+            assert bool(cp.all(a.view(cp.uint16 if a.dtype == cp.float16 else cp.uint32)
+                               == b.view(cp.uint16 if b.dtype == cp.float16 else cp.uint32)))
+    bad = cu.copy()
+    bad[2] = 0
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        numba_flash.forward_varlen(q, k, v, host(cu), host(bad), 1500, 1500, backend="numba")
