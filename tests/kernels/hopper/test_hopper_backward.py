@@ -32,6 +32,8 @@ SIMULATOR_CASES = [
     #   sequences; with ALiBi, the dQ kernel's consumers do not take turns
     ((3, 40, 50, 2, 64), 1, True, "float16", HopperBackwardConfig(32, 32, copy_engine=False),
      dict(lengths=[(40, 33), (7, 0), (20, 50)])),  # varlen on cp.async (refused maps)
+    ((1, 50, 150, 2, 64), 1, True, "float16", HopperBackwardConfig(64, 128, stages=4),
+     dict(softcap=2.0)),  # d64's 128-key dQ tiles (the second one partial), GQA, softcap
 ]
 
 # masks: a mask_mod whose tile tables leave an empty tile inside the ranges of both kernels
