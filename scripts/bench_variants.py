@@ -7,7 +7,8 @@ window of --window keys; softcap --softcap; ALiBi (the usual geometric slopes); 
 --documents packed causal sequences of random lengths (seeded) making up one sequence of
 --seqlen tokens, the same packed as equal documents of the mean length, beside dense causal
 attention on a batch of --documents sequences of that length (the same tokens, no packing:
-what varlen's own cost is, apart from its lengths); attention masks without causal (a
+what varlen's own cost is, apart from its lengths), and the equal documents again with their
+cu_seqlens on the host (no wait for a read-back from the GPU); attention masks without causal (a
 boolean (B, 1, 1, N) key padding mask keeping every key, a float (N, N) bias in the dtype),
 beside torch SDPA with the same attn_mask (efficient, cudnn); mask_mods through a block mask:
 the documents of the varlen row as a causal document mask over one sequence, the window as
@@ -57,8 +58,9 @@ def alibi_slopes(heads):
 
 def rows(args):
     """(name, kv_heads, options, torch peers); options "alibi" (slopes made per row),
-    "lengths" (varlen), "mask" (with_mask), "as_mask_mod" (the row's window or documents
-    written as a mask_mod for numba_flash, with a block mask: with_mask_mod) and "shape"
+    "lengths" (varlen; "host_offsets": its cu_seqlens as NumPy arrays), "mask" (with_mask),
+    "as_mask_mod" (the row's window or documents written as a mask_mod for numba_flash, with
+    a block mask: with_mask_mod) and "shape"
     ((batch, seqlen) of a row not of the bench's) are the bench's own."""
     sdpa = ("flash", "cudnn", "efficient")
     mean_length = args.seqlen // args.documents
@@ -73,6 +75,8 @@ def rows(args):
              dict(causal=True, lengths=document_lengths(args.seqlen, args.documents)), ()),
             (f"varlen {args.documents} equal docs causal", args.heads,
              dict(causal=True, lengths=[mean_length] * args.documents), ()),
+            (f"varlen {args.documents} equal docs causal, host cu_seqlens", args.heads,
+             dict(causal=True, lengths=[mean_length] * args.documents, host_offsets=True), ()),
             (f"B{args.documents} N{mean_length} causal", args.heads,
              dict(causal=True, shape=(args.documents, mean_length)), sdpa),
             ("padding mask, full", args.heads, dict(mask="padding"), sdpa[1:]),
@@ -105,7 +109,9 @@ def our_call(numba_flash, cp, options, heads):
     if lengths is None:
         return (lambda q, k, v: numba_flash.forward(q, k, v, **options),
                 lambda *a: numba_flash.backward(*a, **options))
-    cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    if not options.pop("host_offsets", False):  # (on the host: checked without a read-back)
+        cu = cp.asarray(cu)
     varlen = (cu, cu, max(lengths), max(lengths))
     return (lambda q, k, v: numba_flash.forward_varlen(q[0], k[0], v[0], *varlen, **options),
             lambda dout, q, k, v, out, lse: numba_flash.backward_varlen(
