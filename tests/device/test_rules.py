@@ -284,4 +284,3 @@ def test_a_tile_mask_mod_sees_whole_skips_its_predicate():
         got = np.array([[seen(i, j, 40, 0, (None, 1, 0, ()), with_mod) for j in range(40)]
                         for i in range(40)])
         assert np.array_equal(got, want), with_mod
-
