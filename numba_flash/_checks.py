@@ -227,25 +227,35 @@ def check_offsets_array(name, cu_seqlens):
                          f"{_shape_str(cu_seqlens)}")
 
 
-def offsets_to_device(q, cu_seqlens_q, cu_seqlens_k):
-    """(cu_seqlens_q, cu_seqlens_k, known): with q on a GPU, those given as host arrays
-    (NumPy, a CPU torch tensor) checked as arrays and copied to q's device without waiting
-    (one copy where both are the same array), their host values in known (None where the
-    checks must read them back from the GPU)."""
+def host_arrays_to_device(q, named, check):
+    """(arrays, known) for `named`, (name, array) pairs: with q on a GPU, the arrays given on
+    the host (NumPy, a CPU torch tensor; not None or a plain int) checked by check(name, x),
+    all before anything is copied, then copied to q's device without waiting (an array named
+    twice, once), their host values in known (a copy: the caller may change its array); None
+    in known for the others, whose checks must read them back from the GPU."""
+    arrays, known = [x for _, x in named], [None] * len(named)
     if not _arrays.is_device_kind(_arrays.array_kind(q)):
-        return cu_seqlens_q, cu_seqlens_k, (None, None)
-    given, known = [cu_seqlens_q, cu_seqlens_k], [None, None]
-    on_host = [_arrays.array_kind(x) == _arrays.HOST for x in given]
-    for name, x, host in zip(("cu_seqlens_q", "cu_seqlens_k"), given, on_host):
+        return arrays, tuple(known)
+    on_host = [x is not None and not isinstance(x, (int, np.integer))
+               and _arrays.array_kind(x) == _arrays.HOST for x in arrays]
+    for (name, x), host in zip(named, on_host):
         if host:
-            check_offsets_array(name, x)
-    for i in range(2):
-        if i == 1 and cu_seqlens_k is cu_seqlens_q:
-            given[1], known[1] = given[0], known[0]
-        elif on_host[i]:
-            known[i] = np.array(_arrays.as_numpy(given[i]))  # (a copy: the caller may change it)
-            given[i] = _arrays.device_copy_like(known[i], q)
-    return given[0], given[1], tuple(known)
+            check(name, x)
+    copies = {}
+    for i, x in enumerate(arrays):
+        if on_host[i]:
+            if id(x) not in copies:
+                values = np.array(_arrays.as_numpy(x))
+                copies[id(x)] = (values, _arrays.device_copy_like(values, q))
+            known[i], arrays[i] = copies[id(x)]
+    return arrays, tuple(known)
+
+
+def offsets_to_device(q, cu_seqlens_q, cu_seqlens_k):
+    """(cu_seqlens_q, cu_seqlens_k, known): host_arrays_to_device's for varlen's offsets."""
+    (cu_q, cu_k), known = host_arrays_to_device(
+        q, (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), check_offsets_array)
+    return cu_q, cu_k, known
 
 
 def check_cu_seqlens(name, values, total, max_seqlen, max_name):

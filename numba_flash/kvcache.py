@@ -137,21 +137,13 @@ def forward_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
 
 
 def _host_values_to_device(q, cache_seqlens, block_table):
-    """(cache_seqlens, block_table, known): with q on a GPU, those of the two given as host
-    arrays checked for dtype and rank and copied to q's device, their host values in known
-    (cache_seqlens', block_table's; None where the checks must read them)."""
-    known = [None, None]
-    if not _arrays.is_device_kind(_arrays.array_kind(q)):
-        return cache_seqlens, block_table, tuple(known)
-    given = [cache_seqlens, block_table]
-    for i, (name, rank) in enumerate((("cache_seqlens", 1), ("block_table", 2))):
-        x = given[i]
-        if x is not None and not isinstance(x, (int, np.integer)) \
-                and _arrays.array_kind(x) == _arrays.HOST:
-            _check_int32(name, x, rank)
-            known[i] = np.array(_arrays.as_numpy(x))  # (a copy: the caller may change x)
-            given[i] = _arrays.device_copy_like(known[i], q)
-    return given[0], given[1], tuple(known)
+    """(cache_seqlens, block_table, known): _checks.host_arrays_to_device's, those given on
+    the host checked for dtype and rank."""
+    ranks = {"cache_seqlens": 1, "block_table": 2}
+    (cache_seqlens, block_table), known = _checks.host_arrays_to_device(
+        q, (("cache_seqlens", cache_seqlens), ("block_table", block_table)),
+        lambda name, x: _check_int32(name, x, ranks[name]))
+    return cache_seqlens, block_table, known
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
