@@ -10,7 +10,8 @@ allocate the outputs and launch the recorded kernels on the new addresses
 The signature holds everything those decisions read: the operation, the backend asked for (and
 the default it stands for), the call's AttentionSpec and, per array, its type, shape, strides,
 dtype, device and whether its address is 16-byte aligned (a mask_mod's captured arrays are
-among the arrays: its replay reads their new values). Only CuPy arrays and CUDA torch tensors
+among the arrays: its replay reads their new values), and which arrays are one object passed
+twice. Only CuPy arrays and CUDA torch tensors
 have signatures; other calls always take the full path. A signature that failed a check is
 never stored, so bad input always meets its error.
 
@@ -54,15 +55,19 @@ def _array_signature(x):
 
 
 def signature(operation, backend, spec, arrays):
-    """The call's signature, or None for a call that is not cached."""
+    """The call's signature, or None for a call that is not cached. It says which arrays are
+    one object passed twice (varlen's cu_seqlens for self-attention, attention(x, x, x)): a
+    replay of such a call reads that address from one of them, so it serves only calls that
+    pass one object there too."""
     if not ENABLED or type(backend) is not str:
         return None
-    arrays = tuple(map(_array_signature, arrays))
-    if None in arrays:
+    described = tuple(map(_array_signature, arrays))
+    if None in described:
         return None
     if backend == registry.AUTO:
         backend = (backend, registry.default_backend())
-    return operation, backend, spec, arrays
+    objects = tuple(map(id, arrays))
+    return operation, backend, spec, described, tuple(map(objects.index, objects))
 
 
 def get(key, block_mask=None):

@@ -92,13 +92,19 @@ class Replay:
 def build_replay(backend, record, inputs, results, ref=0):
     """A Replay of `record`, made by a call of `backend` on `inputs` that returned `results`,
     with inputs[ref] the array the backend allocated like and took the stream of; None where
-    an address does not name exactly one array (inputs that alias, scratch freed within the
-    call, a view at an offset): such calls take the full path every time."""
+    an address does not name exactly one array (distinct inputs that alias, scratch freed
+    within the call, a view at an offset): such calls take the full path every time. One
+    input object passed twice is one array to the replay (call_cache's signature keeps such
+    calls apart from those on distinct objects)."""
     arrays = list(inputs) + [array for _, _, array in record.allocations]
     constants = {_arrays.data_pointer(x): x for x in record.constants}  # (one per address)
     pointers = [_arrays.data_pointer(x) for x in arrays] + list(constants)
-    role_of = {pointer: role for role, pointer in enumerate(pointers)}
-    if len(role_of) != len(pointers) or not record.launches:
+    role_of = {}
+    for role, pointer in enumerate(pointers):
+        first = role_of.setdefault(pointer, role)
+        if first != role and not (role < len(inputs) and inputs[role] is inputs[first]):
+            return None
+    if not record.launches:
         return None
     try:
         launches = tuple((prepared, tuple(role_of[p] for p in launch_pointers))

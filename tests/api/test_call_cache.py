@@ -187,11 +187,44 @@ def test_a_replay_takes_device_and_stream_from_its_reference_input():
     assert backend.devices == [new_q]
 
 
+def test_one_object_passed_twice_replays_as_one_array():
+    """(varlen's cu_seqlens for self-attention, attention(x, x, x)): both roles read the one
+    argument's new address."""
+    backend, first = FakeBackend(), FakeLaunch()
+    q, v = FakeDeviceArray(), FakeDeviceArray()
+    record, result = _record_forward(backend, q, q, v, first, FakeLaunch())  # q is k
+    replay = numba_replay.build_replay(backend, record, (q, q, v), result)
+    x, y = FakeDeviceArray(), FakeDeviceArray()
+    out, lse = replay(x, x, y)
+    assert first.calls[-1][1] == [x.ptr, x.ptr, y.ptr, out.ptr, lse.ptr]
+
+
+def test_the_signature_tells_one_object_twice_from_two(rng, host_replays):
+    """A replay recorded on one object passed twice reads one address for both: it must not
+    serve a call on two objects of the same shapes (nor the other way round: each gets its
+    own)."""
+    q, k, v = random_qkv(rng, 1, 5, 5, 2, 8, "float32")
+    spec = make_spec(q)
+    distinct = call_cache.signature("forward", "auto", spec, (q, k, v))
+    twice = call_cache.signature("forward", "auto", spec, (q, q, v))
+    assert None not in (distinct, twice) and distinct != twice
+    assert call_cache.signature("forward", "auto", spec, (q, q, v)) == twice
+    assert call_cache.signature("forward", "auto", spec, (k, k, v)) == twice
+    assert call_cache.signature("forward", "auto", spec, (q, k, q)) not in (distinct, twice)
+
+
 def test_no_replay_where_an_address_names_no_array_or_two():
     backend = FakeBackend()
     q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
-    record, result = _record_forward(backend, q, q, v, FakeLaunch(), FakeLaunch())  # q is k
-    assert numba_replay.build_replay(backend, record, (q, q, v), result) is None
+    k.__cuda_array_interface__ = dict(q.__cuda_array_interface__)  # two objects, one address
+    record, result = _record_forward(backend, q, k, v, FakeLaunch(), FakeLaunch())
+    assert numba_replay.build_replay(backend, record, (q, k, v), result) is None
+    with numba_replay.recording() as record:  # an allocation at an input's address
+        out = backend._new(q, (2,), "float32")
+        out.__cuda_array_interface__ = dict(q.__cuda_array_interface__)
+        numba_replay.note_launch(FakeLaunch(), [q.ptr, v.ptr])
+    assert numba_replay.build_replay(backend, record, (q, q, v), (out,)) is None
+    k = FakeDeviceArray()
     with numba_replay.recording() as record:
         out = backend._new(q, (2,), "float32")
         numba_replay.note_launch(FakeLaunch(), [q.ptr + 2, out.ptr])  # a view at an offset
@@ -324,21 +357,50 @@ def test_a_replayed_backward_follows_q_not_dout(cp, rng, launch_streams):
 
 
 @pytest.mark.gpu
-def test_aliased_inputs_replay_and_record(cp, rng):
-    """q, k, v the same array: replayed from a call on distinct arrays, and recorded (no
-    replay: its addresses are ambiguous; the full path runs every time)."""
+def test_one_object_passed_twice_replays_on_gpu(cp, rng):
+    """q, k, v one array: calls on it get a replay of their own, which reads its address for
+    all three; calls on distinct arrays of the same shapes after them do not take it. Each
+    result by the accuracy rule."""
     shape = (1, 200, 200, 2, 64)
-    q, k, v, dout = _device_inputs(cp, rng, shape, "float16")
-    numba_flash.forward(q, k, v, backend="numba")
-    for _ in range(2):
-        x = cp.asarray(rng.standard_normal(q.shape), cp.float16)
-        out, lse = numba_flash.forward(x, x, x, backend="numba")
-        grads = numba_flash.backward(dout, x, x, x, out, lse, backend="numba")
-        _check_against_reference(cp, x, x, x, dout, out, lse, grads, False, "float16")
-        call_cache.clear()
-    numba_flash.forward(x, x, x, backend="numba")
-    replay = call_cache.get(call_cache.signature("forward", "numba", make_spec(x), (x, x, x)))
-    assert replay is not None and not isinstance(replay, numba_replay.Replay)  # the full path
+    call_cache.clear()
+    for step in range(3):
+        q, k, v, dout = _device_inputs(cp, rng, shape, "float16")
+        if step < 2:
+            k = v = q
+        out, lse = numba_flash.forward(q, k, v, backend="numba")
+        grads = numba_flash.backward(dout, q, k, v, out, lse, backend="numba")
+        _check_against_reference(cp, q, k, v, dout, out, lse, grads, False, "float16")
+    replay = call_cache.get(call_cache.signature("forward", "numba", make_spec(q), (q, q, q)))
+    assert isinstance(replay, numba_replay.Replay)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["gpu", "host"])
+def test_varlen_self_attention_replays(cp, rng, monkeypatch, where):
+    """forward_varlen and backward_varlen given one cu_seqlens array for q and k (on the GPU,
+    or on the host: copied once a call) are replayed, bit for bit as the full path."""
+    lengths = np.array([300, 1, 517, 64], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu_seqlens = cp.asarray(cu) if where == "gpu" else cu
+
+    def call(q, k, v, dout):
+        varlen = (cu_seqlens, cu_seqlens, 517, 517)
+        out, lse = numba_flash.forward_varlen(q, k, v, *varlen, causal=True, backend="numba")
+        grads = numba_flash.backward_varlen(dout, q, k, v, out, lse, *varlen, causal=True,
+                                            backend="numba")
+        return [out, lse, *grads]
+
+    call_cache.clear()
+    for _ in range(3):
+        arrays = [cp.asarray(rng.standard_normal((int(cu[-1]), 4, 64)), cp.float16)
+                  for _ in range(4)]
+        got = call(*arrays)
+        monkeypatch.setattr(call_cache, "ENABLED", False)
+        full = call(*arrays)
+        monkeypatch.setattr(call_cache, "ENABLED", True)
+        for a, b in zip(got, full):
+            assert bool(cp.all(a == b)) and not bool(cp.isnan(a).any())
+    assert sum(isinstance(r, numba_replay.Replay) for r in call_cache._replays.values()) == 2
 
 
 @pytest.mark.gpu
