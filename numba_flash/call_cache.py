@@ -67,7 +67,8 @@ def signature(operation, backend, spec, arrays):
     if backend == registry.AUTO:
         backend = (backend, registry.default_backend())
     objects = tuple(map(id, arrays))
-    return operation, backend, spec, described, tuple(map(objects.index, objects))
+    twice = None if len(set(objects)) == len(objects) else tuple(map(objects.index, objects))
+    return operation, backend, spec, described, twice
 
 
 def get(key, block_mask=None):
