@@ -6,7 +6,9 @@ bench.py's timer includes it too (it records an event, calls, records an event),
 sequences it decides part of the TFLOP/s. With --profile, cProfile's top entries for the
 numba forward and backward follow. The rows "model layout" take q, k, v as a transformers
 model hands them (bfloat16 views of (batch, heads, seqlen, headdim) tensors, GQA 4:1,
-requiring grad).
+requiring grad); the rows "varlen" the same tokens as packed sequences (two a batch row), one
+cu_seqlens array for q and k, on the GPU (the checks read it back: the call waits for the
+GPU) or on the host.
 
     python scripts/overhead.py [--calls 300] [--profile] [--backends numba numba-simt]
                                [--host-only]
@@ -70,6 +72,10 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     q, k, v, dout = harness.random_inputs(cp, rng, batch, n, n, nheads, head_dim, "float16")
     sync = cp.cuda.get_current_stream().synchronize
+    packed = [x.reshape(batch * n, nheads, head_dim) for x in (q, k, v)]
+    lengths = [n // 2, n - n // 2] * batch  # (two sequences a row)
+    packed_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    longest = max(lengths)
     runs = {}
     for backend in args.backends:
         def fwd(backend=backend):
@@ -80,6 +86,13 @@ def main(argv=None):
             numba_flash.backward(dout, q, k, v, out, lse, causal=True, backend=backend)
         runs[f"{backend} forward"] = fwd, sync
         runs[f"{backend} backward"] = bwd, sync
+        # Packed sequences as self-attention passes them (one cu_seqlens for q and k): on the
+        # GPU, read back by the checks; on the host, checked there and copied.
+        for where, offsets in (("GPU", cp.asarray(packed_offsets)), ("host", packed_offsets)):
+            def varlen_fwd(backend=backend, offsets=offsets):
+                return numba_flash.forward_varlen(*packed, offsets, offsets, longest, longest,
+                                                  causal=True, backend=backend)
+            runs[f"{backend} varlen forward, cu_seqlens on the {where}"] = varlen_fwd, sync
     try:
         import torch
     except ImportError:
