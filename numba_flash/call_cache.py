@@ -34,7 +34,8 @@ ENABLED = os.environ.get("NUMBA_FLASH_REPLAY", "1").strip() != "0"
 
 #: signatures kept; past this the least recently used goes (a loop uses a handful)
 MAX_ENTRIES = 256
-#: signatures kept per block mask (a forward and a backward, in a dtype or two)
+#: signatures kept per block mask (a forward and a backward, in a dtype or two, on distinct
+#: arrays or one passed twice)
 MAX_BLOCK_MASK_ENTRIES = 8
 
 _replays = OrderedDict()
@@ -55,10 +56,10 @@ def _array_signature(x):
 
 
 def signature(operation, backend, spec, arrays):
-    """The call's signature, or None for a call that is not cached. It says which arrays are
-    one object passed twice (varlen's cu_seqlens for self-attention, attention(x, x, x)): a
-    replay of such a call reads that address from one of them, so it serves only calls that
-    pass one object there too."""
+    """The call's signature (arrays: a tuple), or None for a call that is not cached. It says
+    which arrays are one object passed twice (varlen's cu_seqlens for self-attention,
+    attention(x, x, x)): a replay of such a call reads that address from one of them, so it
+    serves only calls that pass one object there too."""
     if not ENABLED or type(backend) is not str:
         return None
     described = tuple(map(_array_signature, arrays))
@@ -66,8 +67,10 @@ def signature(operation, backend, spec, arrays):
         return None
     if backend == registry.AUTO:
         backend = (backend, registry.default_backend())
-    objects = tuple(map(id, arrays))
-    twice = None if len(set(objects)) == len(objects) else tuple(map(objects.index, objects))
+    twice = None
+    if len(set(map(id, arrays))) < len(arrays):
+        objects = tuple(map(id, arrays))
+        twice = tuple(map(objects.index, objects))
     return operation, backend, spec, described, twice
 
 

@@ -8,8 +8,8 @@ tile tables). If every address a launch took is the address of exactly one of th
 arrays, allocations or constants, `build_replay` turns the record into a `Replay`: later
 calls of the same signature only allocate, read the new addresses and launch.
 numba_flash/call_cache.py keys replays by signature, so everything that decided the record
-(shapes, strides, dtypes, device, alignment of the addresses, the spec, backend, the block
-mask) is the same when a replay runs.
+(shapes, strides, dtypes, device, alignment of the addresses, which inputs are one object,
+the spec, backend, the block mask) is the same when a replay runs.
 """
 import contextlib
 import threading
