@@ -79,6 +79,7 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, varlen, options):
+        varlen = _offsets_read_once(q, varlen)
         out, lse = api.forward_varlen(q, k, v, *varlen, **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.varlen, ctx.options = varlen, options
@@ -91,12 +92,30 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _offsets_read_once(q, varlen):
+    """varlen's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with the cu_seqlens
+    that sit on q's GPU read to the host, one read for a tensor given twice: the forward's
+    checks would read them anyway, and the backward then checks the host values and copies
+    them without waiting for the GPU (a read there would stop the host from queuing work
+    ahead, in every layer of a training step)."""
+    cu_q, cu_k, max_q, max_k = varlen
+    if not q.is_cuda:
+        return varlen
+
+    def on_host(x):
+        on_q_gpu = getattr(x, "is_cuda", False) and x.device == q.device
+        return x.cpu() if on_q_gpu else x
+    host_q = on_host(cu_q)
+    return host_q, host_q if cu_k is cu_q else on_host(cu_k), max_q, max_k
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
                      alibi_slopes=None, mask_mod=None, backend="auto"):
     """Differentiable attention of packed sequences (torch tensors; see
     numba_flash.forward_varlen): q (total_q, H, D), k, v (total_k, H_kv, D), int32
-    cu_seqlens (B + 1,). Returns the output only. Under torch.compile, without a mask_mod,
+    cu_seqlens (B + 1,) (on the GPU they are read once, in the forward: the backward checks
+    those host values). Returns the output only. Under torch.compile, without a mask_mod,
     it calls the torch.library op numba_flash::forward_varlen (max_seqlen_q and max_seqlen_k
     are ints of the graph)."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

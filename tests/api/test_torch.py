@@ -140,6 +140,60 @@ def test_varlen_gradients_match_each_sequence_alone(rng, mode):
         assert err < 1e-4 * max(1.0, float(leaf.grad.abs().max())), (name, err)
 
 
+class _OnGpu:
+    """A stand-in for a CUDA tensor: its device, and its reads to the host counted."""
+
+    def __init__(self, device="cuda:0"):
+        self.is_cuda, self.device, self.reads = True, device, 0
+
+    def cpu(self):
+        self.reads += 1
+        return object()
+
+
+def test_varlen_cu_seqlens_on_the_gpu_are_read_once_for_forward_and_backward():
+    """The autograd function hands the forward (and so the backward) host copies of the
+    cu_seqlens on q's GPU: one read for a tensor given twice; cu_seqlens elsewhere (the host,
+    another GPU: the API's checks refuse those) and calls on the CPU are passed as given."""
+    from numba_flash.torch import _offsets_read_once
+    q, cu, other = _OnGpu(), _OnGpu(), _OnGpu("cuda:1")
+    host_q, host_k, max_q, max_k = _offsets_read_once(q, (cu, cu, 7, 9))
+    assert host_q is host_k and cu.reads == 1 and (max_q, max_k) == (7, 9)
+    cu_k = _OnGpu()
+    host_q, host_k, *_ = _offsets_read_once(q, (cu, cu_k, 7, 9))
+    assert cu.reads == 2 and cu_k.reads == 1 and host_q is not host_k
+    on_host = np.zeros(3, np.int32)
+    assert _offsets_read_once(q, (on_host, other, 7, 9))[:2] == (on_host, other)
+    assert other.reads == 0
+    q.is_cuda = False
+    assert _offsets_read_once(q, (cu, cu, 7, 9))[0] is cu and cu.reads == 2
+
+
+@pytest.mark.gpu
+def test_varlen_backward_reads_nothing_back(rng, monkeypatch):
+    """attention_varlen with one cu_seqlens tensor on the GPU for q and k: the API's checks
+    read nothing from the GPU (the forward hands them host values), and out and the gradients
+    are those of the plain API calls, bit for bit."""
+    from numba_flash import _checks
+    lengths = [300, 1, 517, 64]
+    cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v, dout = (torch.randn(int(cu[-1]), 4, 64, generator=gen).to("cuda", torch.float16)
+                     for _ in range(4))
+    out, lse = numba_flash.forward_varlen(q, k, v, cu, cu, 517, 517, causal=True,
+                                          backend="numba")
+    grads = numba_flash.backward_varlen(dout, q, k, v, out, lse, cu, cu, 517, 517,
+                                        causal=True, backend="numba")
+    monkeypatch.setattr(_checks, "host_values", None)  # nothing is read back
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    got = numba_flash.torch.attention_varlen(*leaves, cu, cu, 517, 517, causal=True,
+                                             backend="numba")
+    got.backward(dout)
+    assert torch.equal(got, out)
+    for leaf, grad in zip(leaves, grads):
+        assert torch.equal(leaf.grad, grad)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_inside_a_model(rng, mode):
     """A tiny attention layer trains: the loss goes down over a few SGD steps."""
