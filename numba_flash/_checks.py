@@ -86,13 +86,14 @@ def check_extras(spec, q, k, v, extras, known_offsets=(None, None)):
     this check runs on every varlen call; known_offsets: cu_seqlens_q's and cu_seqlens_k's
     host values where the caller has them, offsets_to_device). Returns the batch size."""
     if spec.varlen:
-        values_q, values_k = known_offsets
-        check_offsets_array("cu_seqlens_q", extras.cu_seqlens_q)
-        check_offsets_array("cu_seqlens_k", extras.cu_seqlens_k)
+        values_q, values_k = known_offsets  # (known: checked as arrays on the host)
         if values_q is None:
+            check_offsets_array("cu_seqlens_q", extras.cu_seqlens_q)
             values_q = host_values(extras.cu_seqlens_q)
         if values_k is None:  # (self-attention passes one array twice: read once)
             same = extras.cu_seqlens_k is extras.cu_seqlens_q
+            if not same:
+                check_offsets_array("cu_seqlens_k", extras.cu_seqlens_k)
             values_k = values_q if same else host_values(extras.cu_seqlens_k)
         batch = check_cu_seqlens("cu_seqlens_q", values_q, int(q.shape[0]),
                                  spec.max_seqlen_q, "max_seqlen_q")
