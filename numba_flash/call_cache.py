@@ -10,8 +10,8 @@ allocate the outputs and launch the recorded kernels on the new addresses
 The signature holds everything those decisions read: the operation, the backend asked for (and
 the default it stands for), the call's AttentionSpec and, per array, its type, shape, strides,
 dtype, device and whether its address is 16-byte aligned (a mask_mod's captured arrays are
-among the arrays: its replay reads their new values), and which arrays are one object passed
-twice. Only CuPy arrays and CUDA torch tensors
+among the arrays: its replay reads their new values), and which arrays share an address (one
+object passed twice, or two views of one buffer). Only CuPy arrays and CUDA torch tensors
 have signatures; other calls always take the full path. A signature that failed a check is
 never stored, so bad input always meets its error.
 
@@ -34,8 +34,8 @@ ENABLED = os.environ.get("NUMBA_FLASH_REPLAY", "1").strip() != "0"
 
 #: signatures kept; past this the least recently used goes (a loop uses a handful)
 MAX_ENTRIES = 256
-#: signatures kept per block mask (a forward and a backward, in a dtype or two, on distinct
-#: arrays or one passed twice)
+#: signatures kept per block mask (a forward and a backward, in a dtype or two, on arrays
+#: at distinct addresses or sharing some)
 MAX_BLOCK_MASK_ENTRIES = 8
 
 _replays = OrderedDict()
@@ -44,12 +44,17 @@ _lock = threading.Lock()
 
 
 def _array_signature(x):
+    """(x's part of the signature, its address), or None for what has no signature."""
     package = _arrays.library(x)
     try:
         if package == "torch" and x.is_cuda:
-            return type(x), x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0
+            pointer = x.data_ptr()
+            return (type(x), x.shape, x.stride(), x.dtype, x.get_device(),
+                    pointer % 16 == 0), pointer
         if package == "cupy":
-            return type(x), x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr % 16 == 0
+            pointer = x.data.ptr
+            return (type(x), x.shape, x.strides, x.dtype, x.data.device_id,
+                    pointer % 16 == 0), pointer
     except (AttributeError, RuntimeError, TypeError):  # not a dense array: the checks say so
         return None
     return None
@@ -57,9 +62,9 @@ def _array_signature(x):
 
 def signature(operation, backend, spec, arrays):
     """The call's signature (arrays: a tuple), or None for a call that is not cached. It says
-    which arrays are one object passed twice (varlen's cu_seqlens for self-attention,
-    attention(x, x, x)): a replay of such a call reads that address from one of them, so it
-    serves only calls that pass one object there too."""
+    which arrays share an address (varlen's one cu_seqlens for self-attention,
+    attention(x, x, x), k = q.detach()): a replay of such a call reads that address from one
+    of them, so it serves only calls whose arrays share the same addresses."""
     if not ENABLED or type(backend) is not str:
         return None
     described = tuple(map(_array_signature, arrays))
@@ -67,11 +72,11 @@ def signature(operation, backend, spec, arrays):
         return None
     if backend == registry.AUTO:
         backend = (backend, registry.default_backend())
-    twice = None
-    if len(set(map(id, arrays))) < len(arrays):
-        objects = tuple(map(id, arrays))
-        twice = tuple(map(objects.index, objects))
-    return operation, backend, spec, described, twice
+    arrays_described, pointers = zip(*described)
+    shared = None
+    if len(set(pointers)) < len(pointers):
+        shared = tuple(map(pointers.index, pointers))
+    return operation, backend, spec, arrays_described, shared
 
 
 def get(key, block_mask=None):

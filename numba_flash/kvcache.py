@@ -5,10 +5,10 @@ convention; contiguous or paged caches, new tokens appended in place.
 Every check runs, and every value it needs is read (cache_seqlens and block_table: one small
 copy from the GPU), before anything is written: a rejected call leaves the cache as it was.
 A call whose signature was seen before (numba_flash/call_cache.py: the arrays' shapes,
-strides, dtypes, device and alignment, which optional arrays are given, which arrays are one
-object passed twice, the spec) reads and
-checks those values again and replays the launches recorded for it; a call with cache_seqlens
-as an int always takes the full path (the int is a launch argument).
+strides, dtypes, device and alignment, which optional arrays are given, which arrays share
+an address, the spec) reads and checks those values again and replays the launches recorded
+for it; a call with cache_seqlens as an int always takes the full path (the int is a launch
+argument).
 """
 from typing import NamedTuple
 

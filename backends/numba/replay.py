@@ -8,7 +8,7 @@ tile tables). If every address a launch took is the address of exactly one of th
 arrays, allocations or constants, `build_replay` turns the record into a `Replay`: later
 calls of the same signature only allocate, read the new addresses and launch.
 numba_flash/call_cache.py keys replays by signature, so everything that decided the record
-(shapes, strides, dtypes, device, alignment of the addresses, which inputs are one object,
+(shapes, strides, dtypes, device, alignment of the addresses, which inputs share an address,
 the spec, backend, the block mask) is the same when a replay runs.
 """
 import contextlib
@@ -92,17 +92,18 @@ class Replay:
 def build_replay(backend, record, inputs, results, ref=0):
     """A Replay of `record`, made by a call of `backend` on `inputs` that returned `results`,
     with inputs[ref] the array the backend allocated like and took the stream of; None where
-    an address does not name exactly one array (distinct inputs that alias, scratch freed
-    within the call, a view at an offset): such calls take the full path every time. One
-    input object passed twice is one array to the replay (call_cache's signature keeps such
-    calls apart from those on distinct objects)."""
+    an address does not name exactly one array (scratch freed within the call, an allocation
+    or a constant at an input's address, a view at an offset): such calls take the full path
+    every time. Inputs that share an address (one object passed twice, k = q.detach()) are
+    one array to the replay: call_cache's signature keeps such calls apart from those whose
+    inputs lie apart."""
     arrays = list(inputs) + [array for _, _, array in record.allocations]
     constants = {_arrays.data_pointer(x): x for x in record.constants}  # (one per address)
     pointers = [_arrays.data_pointer(x) for x in arrays] + list(constants)
     role_of = {}
     for role, pointer in enumerate(pointers):
         first = role_of.setdefault(pointer, role)
-        if first != role and not (role < len(inputs) and inputs[role] is inputs[first]):
+        if first != role and role >= len(inputs):
             return None
     if not record.launches:
         return None

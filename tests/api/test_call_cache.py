@@ -199,10 +199,10 @@ def test_one_object_passed_twice_replays_as_one_array():
     assert first.calls[-1][1] == [x.ptr, x.ptr, y.ptr, out.ptr, lse.ptr]
 
 
-def test_the_signature_tells_one_object_twice_from_two(rng, host_replays):
-    """A replay recorded on one object passed twice reads one address for both: it must not
-    serve a call on two objects of the same shapes (nor the other way round: each gets its
-    own)."""
+def test_the_signature_tells_shared_addresses_from_distinct_ones(rng, host_replays):
+    """A replay recorded on inputs at one address reads one address for both: it must not
+    serve a call whose inputs lie apart (nor the other way round: each gets its own). One
+    object passed twice and two views of one buffer share an address alike."""
     q, k, v = random_qkv(rng, 1, 5, 5, 2, 8, "float32")
     spec = make_spec(q)
     distinct = call_cache.signature("forward", "auto", spec, (q, k, v))
@@ -210,15 +210,25 @@ def test_the_signature_tells_one_object_twice_from_two(rng, host_replays):
     assert None not in (distinct, twice) and distinct != twice
     assert call_cache.signature("forward", "auto", spec, (q, q, v)) == twice
     assert call_cache.signature("forward", "auto", spec, (k, k, v)) == twice
+    assert call_cache.signature("forward", "auto", spec, (k, k[...], v)) == twice
     assert call_cache.signature("forward", "auto", spec, (q, k, q)) not in (distinct, twice)
+
+
+def test_two_inputs_at_one_address_replay_as_one_array():
+    """(k = q.detach(): two objects, one address) as one object passed twice."""
+    backend, first = FakeBackend(), FakeLaunch()
+    q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
+    k.__cuda_array_interface__ = dict(q.__cuda_array_interface__)
+    record, result = _record_forward(backend, q, k, v, first, FakeLaunch())
+    replay = numba_replay.build_replay(backend, record, (q, k, v), result)
+    x, y = FakeDeviceArray(), FakeDeviceArray()
+    out, lse = replay(x, x, y)
+    assert first.calls[-1][1] == [x.ptr, x.ptr, y.ptr, out.ptr, lse.ptr]
 
 
 def test_no_replay_where_an_address_names_no_array_or_two():
     backend = FakeBackend()
     q, k, v = FakeDeviceArray(), FakeDeviceArray(), FakeDeviceArray()
-    k.__cuda_array_interface__ = dict(q.__cuda_array_interface__)  # two objects, one address
-    record, result = _record_forward(backend, q, k, v, FakeLaunch(), FakeLaunch())
-    assert numba_replay.build_replay(backend, record, (q, k, v), result) is None
     with numba_replay.recording() as record:  # an allocation at an input's address
         out = backend._new(q, (2,), "float32")
         out.__cuda_array_interface__ = dict(q.__cuda_array_interface__)
@@ -357,21 +367,29 @@ def test_a_replayed_backward_follows_q_not_dout(cp, rng, launch_streams):
 
 
 @pytest.mark.gpu
-def test_one_object_passed_twice_replays_on_gpu(cp, rng):
-    """q, k, v one array: calls on it get a replay of their own, which reads its address for
-    all three; calls on distinct arrays of the same shapes after them do not take it. Each
+def test_inputs_at_one_address_replay_on_gpu(cp, rng):
+    """q, k, v one array (then three views of one array, k = q.detach()'s case): calls on
+    them get a replay of their own, which reads one address for all three; calls on distinct
+    arrays of the same shapes after them get theirs, which the first calls left alone. Each
     result by the accuracy rule."""
     shape = (1, 200, 200, 2, 64)
     call_cache.clear()
-    for step in range(3):
+    for step in range(4):
         q, k, v, dout = _device_inputs(cp, rng, shape, "float16")
-        if step < 2:
+        if step == 0:
             k = v = q
+        elif step == 1:
+            q, k, v = q[...], q[...], q[...]
         out, lse = numba_flash.forward(q, k, v, backend="numba")
         grads = numba_flash.backward(dout, q, k, v, out, lse, backend="numba")
         _check_against_reference(cp, q, k, v, dout, out, lse, grads, False, "float16")
-    replay = call_cache.get(call_cache.signature("forward", "numba", make_spec(q), (q, q, q)))
-    assert isinstance(replay, numba_replay.Replay)
+    spec = make_spec(q)
+    for arrays in ((q, q, q), (q, k, v)):
+        assert isinstance(call_cache.get(call_cache.signature("forward", "numba", spec, arrays)),
+                          numba_replay.Replay)
+        backward = (dout, *arrays, out, lse)
+        assert isinstance(call_cache.get(call_cache.signature("backward", "numba", spec,
+                                                              backward)), numba_replay.Replay)
 
 
 @pytest.mark.gpu
