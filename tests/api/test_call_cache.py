@@ -374,15 +374,21 @@ def test_inputs_at_one_address_replay_on_gpu(cp, rng):
     result by the accuracy rule."""
     shape = (1, 200, 200, 2, 64)
     call_cache.clear()
+    keys, replays = [], []
     for step in range(4):
         q, k, v, dout = _device_inputs(cp, rng, shape, "float16")
         if step == 0:
             k = v = q
         elif step == 1:
             q, k, v = q[...], q[...], q[...]
+        keys.append(call_cache.signature("forward", "numba", make_spec(q), (q, k, v)))
         out, lse = numba_flash.forward(q, k, v, backend="numba")
         grads = numba_flash.backward(dout, q, k, v, out, lse, backend="numba")
         _check_against_reference(cp, q, k, v, dout, out, lse, grads, False, "float16")
+        replays.append(call_cache.get(keys[-1]))
+    # the views' call replayed the one-object call's recording; the distinct arrays got theirs
+    assert keys[1] == keys[0] and replays[1] is replays[0]
+    assert keys[2] == keys[3] != keys[0] and replays[3] is replays[2]
     spec = make_spec(q)
     for arrays in ((q, q, q), (q, k, v)):
         assert isinstance(call_cache.get(call_cache.signature("forward", "numba", spec, arrays)),
